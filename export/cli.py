@@ -1,0 +1,231 @@
+"""`python -m export`: a checkpoint -> a verified ONNX artifacts directory.
+
+    python -m export                                  # the bundled demo -> artifacts/<name>
+    python -m export --checkpoint DIR --out OUT       # a native checkpoint
+    python -m export --from-hf DIR --out OUT          # a Hugging Face Marian checkpoint
+    python -m export --quantize int8 --out OUT-int8   # dynamic int8 for CPU
+
+Template: load -> trace -> check -> (quantize) -> verify parity -> publish. Everything is
+written into a temporary directory beside --out and renamed into place at the end, so a
+failed or interrupted export never leaves a half-written artifacts directory.
+
+Exit codes: 0 success, 1 parity check failed (nothing written), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tfserve.cli import OneLineParser
+
+EXIT_PARITY = 1
+EXIT_USAGE = 2
+
+
+class ExportError(Exception):
+    """Bad input to the export; printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="python -m export",
+        description="Export an encoder-decoder Transformer to ONNX (encoder.onnx + KV-cached "
+        "decoder.onnx), verify numerical parity against the eager model, and write an "
+        "artifacts directory (model.json, graphs, tokenizer) for tfserve.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", type=Path, default=None,
+                        help="native checkpoint directory (config.json, model.safetensors, "
+                        "tokenizer.json + SentencePiece files); default: the bundled demo")
+    source.add_argument("--from-hf", type=Path, default=None, metavar="DIR",
+                        help="local Hugging Face checkpoint directory (MarianMT / opus-mt)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="artifacts directory to create (default: artifacts/<model name>)")
+    parser.add_argument("--opset", type=int, default=17, help="ONNX opset version (14..20)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"],
+                        help="float precision of the graphs; fp16 is for CUDA")
+    parser.add_argument("--quantize", default=None, choices=["int8"],
+                        help="dynamic int8 quantization of the MatMul weights (CPU)")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite an existing --out, and publish even if parity fails")
+    parser.add_argument("--parity-samples", type=int, default=200,
+                        help="sample sentences decoded greedily by both backends (demo model)")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    return parser
+
+
+class Progress:
+    def __init__(self, total: int, quiet: bool) -> None:
+        self.total, self.quiet, self.index = total, quiet, 0
+
+    @contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        self.index += 1
+        started = time.perf_counter()
+        if not self.quiet:
+            print(f"[{self.index}/{self.total}] {what} ...", flush=True)
+        yield
+        if not self.quiet:
+            print(f"      done in {time.perf_counter() - started:.1f}s",
+                  flush=True)
+
+
+def sha256_of(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def check_out(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise ExportError(f"--out {out} already exists (use --force to overwrite)")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} exists and is not a directory")
+    parent = out.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ExportError(f"--out {out}: cannot create {parent}: {exc.strerror}") from exc
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"--out {out}: directory {parent} is not writable")
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Move the finished staging directory to `out`, replacing an old one last."""
+    backup = None
+    if out.exists():
+        backup = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(backup)
+    staging.rename(out)
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    # heavy imports after argument parsing, so --help and usage errors are instant
+    import onnx
+    import torch
+
+    from export.graphs import SUPPORTED_OPSETS, export_graphs, quantize_int8
+    from export.sources import load_source
+    from export.verify import verify
+    from tfserve.manifest import Manifest
+    from tfserve.version import __version__
+
+    if args.opset not in SUPPORTED_OPSETS:
+        raise ExportError(f"--opset must be in {SUPPORTED_OPSETS.start}.."
+                          f"{SUPPORTED_OPSETS.stop - 1}, got {args.opset}")
+    if args.quantize and args.dtype != "fp32":
+        raise ExportError("--quantize int8 needs --dtype fp32")
+    if args.parity_samples < 0:
+        raise ExportError(f"--parity-samples must be >= 0, got {args.parity_samples}")
+    progress = Progress(6 if args.quantize else 5, args.quiet)
+
+    with progress.step("loading checkpoint"):
+        source = load_source(checkpoint=args.checkpoint, hf_dir=args.from_hf)
+    model = source.model
+    out = args.out or Path("artifacts") / model.config.name
+    check_out(out, args.force)
+
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.resolve().parent))
+    # mkdtemp makes the directory private (0700); a published model is readable like any
+    # directory the user creates (a container's non-root server must be able to read it)
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
+    try:
+        float_dtype = torch.float16 if args.dtype == "fp16" else torch.float32
+        with progress.step(f"tracing encoder and decoder (opset {args.opset}, {args.dtype})"):
+            export_graphs(model.to(float_dtype), staging, args.opset, float_dtype)
+            model = model.float()
+        with progress.step("onnx.checker"):
+            for name in ("encoder.onnx", "decoder.onnx"):
+                onnx.checker.check_model(str(staging / name), full_check=True)
+        if args.quantize:
+            with progress.step("int8 dynamic quantization"):
+                quantize_int8(staging, ["encoder.onnx", "decoder.onnx"])
+        for name in source.tokenizer_files:
+            shutil.copy2(source.directory / name, staging / name)
+        manifest = Manifest(
+            config=model.config,
+            tokenizer=source.tokenizer_spec,
+            dtype=args.dtype,
+            quantization=args.quantize,
+            opset=args.opset,
+            provenance={
+                "source": str(source.directory),
+                "source_format": source.kind,
+                "source_sha256": sha256_of(source.weight_files),
+                "tfserve": __version__,
+                "torch": torch.__version__,
+                "onnx": onnx.__version__,
+                "onnxruntime": __import__("onnxruntime").__version__,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            },
+        )
+        manifest.save(staging)
+        with progress.step("parity against the eager model (ONNX Runtime CPU)"):
+            report = verify(model, staging, args.dtype, args.quantize,
+                            source.sample_texts[: args.parity_samples])
+        manifest.parity = report
+        manifest.save(staging)
+        if not report["passed"] and not args.force:
+            raise ParityFailure("; ".join(report["failures"]))
+        with progress.step(f"writing {out}"):
+            publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {"out": str(out), "parity": report}
+
+
+class ParityFailure(Exception):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from export.sources import SourceError
+    from tfserve.config import ConfigError
+    from tfserve.model import CheckpointError
+    from tfserve.tokenizer import TokenizerError
+
+    try:
+        result = run(args)
+    except (ExportError, SourceError, ConfigError, CheckpointError, TokenizerError) as exc:
+        print(f"python -m export: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ParityFailure as exc:
+        print(f"python -m export: parity check failed, nothing written: {exc} "
+              "(--force publishes anyway)", file=sys.stderr)
+        return EXIT_PARITY
+    except KeyboardInterrupt:
+        print("python -m export: interrupted, nothing written", file=sys.stderr)
+        return 130
+    if args.quiet:
+        return 0
+    parity = result["parity"]
+    figures = parity.get("max_abs_diff", {})
+    greedy = parity.get("greedy") or parity.get("greedy_random_sources") or {}
+    summary = f"max |logits diff| {figures['max_logits']:.2e}" if figures else parity.get(
+        "note", "")
+    if greedy.get("sentences"):
+        summary += f", greedy identical {greedy['identical']}/{greedy['sentences']}"
+    status = "passed" if parity["passed"] else "FAILED (published with --force)"
+    print(f"exported {result['out']}: parity {status}: {summary}")
+    return 0

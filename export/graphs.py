@@ -1,0 +1,134 @@
+"""Trace the PyTorch model into the two graphs of the interface (docs/graph-interface.md).
+
+encoder.onnx: input_ids, attention_mask -> encoder_hidden_states, cross_key_l, cross_value_l
+decoder.onnx: one KV-cached step for every step, the first included (past of length 0).
+
+The masks (padding, look-ahead) and RoPE are computed inside the graphs from the
+attention masks and `position_ids`, because the traced code builds them from its inputs.
+Every axis is dynamic; the example inputs use sizes >= 2 so no axis is specialised.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tfserve.manifest import decoder_io, encoder_io
+from tfserve.model import Seq2SeqTransformer
+
+DEFAULT_OPSET = 17
+SUPPORTED_OPSETS = range(14, 21)
+
+
+class EncoderGraph(nn.Module):
+    def __init__(self, model: Seq2SeqTransformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple:
+        hidden = self.model.encode(input_ids, attention_mask)  # [B,S,D]
+        flat = [t for kv in self.model.cross_kv(hidden) for t in kv]  # each [B,H,S,Dh]
+        return (hidden, *flat)
+
+
+class DecoderGraph(nn.Module):
+    def __init__(self, model: Seq2SeqTransformer) -> None:
+        super().__init__()
+        self.model = model
+        self.layers = model.config.decoder_layers
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                self_attention_mask: torch.Tensor, encoder_attention_mask: torch.Tensor,
+                *caches: torch.Tensor) -> tuple:
+        n = self.layers
+        past = [(caches[2 * i], caches[2 * i + 1]) for i in range(n)]
+        cross = [(caches[2 * n + 2 * i], caches[2 * n + 2 * i + 1]) for i in range(n)]
+        logits, present = self.model.decode_step(
+            input_ids, position_ids, self_attention_mask, encoder_attention_mask, past, cross)
+        return (logits, *[t for kv in present for t in kv])
+
+
+def example_inputs(model: Seq2SeqTransformer, float_dtype: torch.dtype) -> tuple[tuple, tuple]:
+    """Encoder and decoder example inputs: B=2, S=5, P=3, T=2 (all > 1, so none specialise)."""
+    cfg = model.config
+    batch, src, past, new = 2, 5, 3, 2
+    ids = torch.randint(3, cfg.vocab_size, (batch, src))
+    mask = torch.ones(batch, src, dtype=torch.int64)
+    mask[1, -2:] = 0
+    enc = (ids, mask)
+    kv_past = torch.randn(batch, cfg.num_heads, past, cfg.head_dim, dtype=float_dtype)
+    kv_cross = torch.randn(batch, cfg.num_heads, src, cfg.head_dim, dtype=float_dtype)
+    dec = (
+        torch.randint(3, cfg.vocab_size, (batch, new)),
+        torch.arange(past, past + new).expand(batch, -1).contiguous(),
+        torch.ones(batch, past + new, dtype=torch.int64),
+        mask,
+        *[kv_past.clone() for _ in range(2 * cfg.decoder_layers)],
+        *[kv_cross.clone() for _ in range(2 * cfg.decoder_layers)],
+    )
+    return enc, dec
+
+
+def export_graphs(model: Seq2SeqTransformer, directory: Path, opset: int,
+                  float_dtype: torch.dtype = torch.float32) -> tuple[Path, Path]:
+    """Write encoder.onnx and decoder.onnx into directory; returns their paths."""
+    model = model.eval()
+    layers = model.config.decoder_layers
+    enc_in, enc_out = encoder_io(layers)
+    dec_in, dec_out = decoder_io(layers)
+    enc_example, dec_example = example_inputs(model, float_dtype)
+
+    enc_axes: dict[str, dict[int, str]] = {
+        "input_ids": {0: "batch", 1: "source_len"},
+        "attention_mask": {0: "batch", 1: "source_len"},
+        "encoder_hidden_states": {0: "batch", 1: "source_len"},
+    }
+    dec_axes: dict[str, dict[int, str]] = {
+        "input_ids": {0: "batch", 1: "new_len"},
+        "position_ids": {0: "batch", 1: "new_len"},
+        "self_attention_mask": {0: "batch", 1: "total_len"},
+        "encoder_attention_mask": {0: "batch", 1: "source_len"},
+        "logits": {0: "batch", 1: "new_len"},
+    }
+    for name in enc_out[1:]:
+        enc_axes[name] = {0: "batch", 2: "source_len"}
+    for name in dec_in[4:]:
+        dec_axes[name] = {0: "batch", 2: "past_len" if name.startswith("past") else "source_len"}
+    for name in dec_out[1:]:
+        dec_axes[name] = {0: "batch", 2: "total_len"}
+
+    encoder_path, decoder_path = directory / "encoder.onnx", directory / "decoder.onnx"
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # tracer warnings about python ints from shapes
+        for module, args, path, names_in, names_out, axes in (
+            (EncoderGraph(model), enc_example, encoder_path, enc_in, enc_out, enc_axes),
+            (DecoderGraph(model), dec_example, decoder_path, dec_in, dec_out, dec_axes),
+        ):
+            torch.onnx.export(
+                module, args, str(path), input_names=names_in, output_names=names_out,
+                dynamic_axes=axes, opset_version=opset, dynamo=False, do_constant_folding=True,
+            )
+    return encoder_path, decoder_path
+
+
+def quantize_int8(directory: Path, files: list[str]) -> None:
+    """Dynamic int8 quantization of the MatMul weights (per channel), in place.
+
+    Activations stay float and are quantized on the fly per call: the CPU recipe of ONNX
+    Runtime for Transformers.
+    """
+    import logging
+
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    # the quantizer logs advice on the root logger for every model; not useful here
+    logging.getLogger().setLevel(logging.ERROR)
+    for name in files:
+        source = directory / name
+        target = directory / (name + ".int8")
+        quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8,
+                         per_channel=True, op_types_to_quantize=["MatMul"])
+        target.replace(source)

@@ -1,0 +1,56 @@
+"""Test setup: make `tfserve` and `helpers` importable, keep torch small and deterministic."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+for entry in (ROOT, ROOT / "tests"):
+    if str(entry) not in sys.path:
+        sys.path.insert(0, str(entry))
+
+import torch  # noqa: E402
+
+# the machine has 2 cores and may be training in the background: one thread is faster here
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_spm_bytes() -> bytes:
+    """A small SentencePiece model trained on generated English/French number phrases."""
+    import sentencepiece as spm
+
+    from tfserve.demo.data import tokenizer_corpus
+
+    lines = tokenizer_corpus(300, seed=0)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=80,
+        model_type="unigram",
+        character_coverage=1.0,
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    return model.getvalue()
+
+
+@pytest.fixture
+def tiny_spm_dir(tmp_path: Path, tiny_spm_bytes: bytes) -> Path:
+    """A directory holding source.spm (the tiny model) for Tokenizer(directory, spec)."""
+    (tmp_path / "source.spm").write_bytes(tiny_spm_bytes)
+    return tmp_path

@@ -1,0 +1,86 @@
+"""Small random checkpoints exported once per test session, shared by the parity tests.
+
+Each (positions, norm, ...) variant is built, saved as a native checkpoint with the demo
+tokenizer files and exported with `python -m export` once; later requests reuse it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from export.cli import main as export_main
+from tfserve.config import ModelConfig
+from tfserve.demo import CHECKPOINT_DIR
+from tfserve.model import Seq2SeqTransformer, load_checkpoint, save_checkpoint
+
+WORK = Path(tempfile.mkdtemp(prefix="tfserve-tests-"))
+atexit.register(shutil.rmtree, WORK, True)
+
+DEMO_VOCAB_FILES = ("source.spm", "tokenizer.json")
+
+
+def tiny_config(positions: str = "rope", norm: str = "pre", **overrides: object) -> ModelConfig:
+    values: dict = dict(vocab_size=111, d_model=32, num_heads=4, encoder_layers=2,
+                        decoder_layers=2, ffn_dim=64, activation="gelu", positions=positions,
+                        norm=norm, max_source_positions=300, max_target_positions=128,
+                        name=f"tiny-{positions}-{norm}")
+    if positions == "sinusoidal":
+        values["sinusoidal_layout"] = "half"
+        values["final_logits_bias"] = True
+    values.update(overrides)
+    return ModelConfig(**values)
+
+
+@functools.cache
+def checkpoint(positions: str = "rope", norm: str = "pre", seed: int = 0) -> Path:
+    """A random native checkpoint using the demo's tokenizer (vocab 111)."""
+    torch.manual_seed(seed)
+    model = Seq2SeqTransformer(tiny_config(positions, norm))
+    if model.final_logits_bias is not None:
+        with torch.no_grad():
+            model.final_logits_bias.normal_(std=0.5)
+    directory = WORK / f"ckpt-{positions}-{norm}-{seed}"
+    save_checkpoint(model, directory)
+    for name in DEMO_VOCAB_FILES:
+        shutil.copy2(CHECKPOINT_DIR / name, directory / name)
+    return directory
+
+
+@functools.cache
+def artifacts(positions: str = "rope", norm: str = "pre", seed: int = 0,
+              quantize: str | None = None) -> Path:
+    """`checkpoint(...)` exported (fp32, or int8 when quantize='int8')."""
+    out = WORK / f"art-{positions}-{norm}-{seed}-{quantize or 'fp32'}"
+    args = ["--checkpoint", str(checkpoint(positions, norm, seed)), "--out", str(out),
+            "--quiet", "--parity-samples", "0"]
+    if quantize:
+        args += ["--quantize", quantize]
+    code = export_main(args)
+    assert code == 0, f"export of {positions}/{norm} failed with exit code {code}"
+    return out
+
+
+def eager_model(positions: str = "rope", norm: str = "pre", seed: int = 0) -> Seq2SeqTransformer:
+    return load_checkpoint(checkpoint(positions, norm, seed))
+
+
+@functools.cache
+def demo_artifacts(quantize: str | None = None) -> Path:
+    """The bundled demo exported once per session (int8 too when asked)."""
+    out = WORK / f"demo-{quantize or 'fp32'}"
+    args = ["--checkpoint", str(CHECKPOINT_DIR), "--out", str(out), "--quiet",
+            "--parity-samples", "0"]
+    if quantize:
+        args += ["--quantize", quantize]
+    assert export_main(args) == 0
+    return out
+
+
+def demo_trained() -> bool:
+    return (CHECKPOINT_DIR / "model.safetensors").is_file()

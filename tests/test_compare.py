@@ -1,0 +1,62 @@
+"""tfserve.compare: the engines benchmark (tfserve vs CTranslate2 vs Hugging Face).
+
+The smoke test runs `python -m tfserve.compare --quick` end to end (tiny random Marian
+checkpoint, every engine in its own child process); it takes about a minute, so it is slow.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tfserve import compare
+
+
+def test_marian_vocab_is_padded_with_pad_last() -> None:
+    words = compare.pseudo_words(300, seed=0)
+    model = compare.train_spm(compare.pseudo_sentences(words, 300, seed=0), vocab_size=400)
+    vocab = compare.marian_vocab(model, 1000)
+    assert len(vocab) == 1000 and sorted(vocab.values()) == list(range(1000))
+    assert vocab["</s>"] == 0 and vocab["<unk>"] == 1 and vocab["<pad>"] == 999
+
+
+def test_pad_batch() -> None:
+    ids, mask = compare.pad_batch([[5, 6, 0], [7, 0]], pad=9)
+    assert ids.tolist() == [[5, 6, 0], [7, 0, 9]]
+    assert mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+
+
+def test_unknown_engine_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main(["--engines", "tfserve-fp32,nope"])
+    assert exit_info.value.code == 2
+    assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_quick_compare_runs_every_engine(tmp_path, capsys) -> None:
+    for module in ("torch", "onnx", "transformers", "ctranslate2"):
+        pytest.importorskip(module)
+    results = tmp_path / "results.json"
+    code = compare.main(["--quick", "--work", str(tmp_path / "work"), "--json", str(results),
+                         "--timeout", "600"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    data = json.loads(results.read_text())
+    assert data["failures"] == {}
+    assert {(r["engine"], r["case"]) for r in data["rows"]} == {
+        (engine, case) for engine in compare.ENGINES for case in compare.QUICK_CASES}
+    for row in data["rows"]:
+        assert row["lengths_ok"], row  # every engine decoded exactly --new-tokens tokens
+        assert row["tok_s"] > 0
+    for engine in compare.ENGINES:
+        assert 0 < data["engines"][engine]["peak_rss_mib"] < 4096
+        # each engine's RSS is its own: the tfserve children hold no PyTorch
+        assert data["engines"][engine]["torch_imported"] == (engine == "hf-eager")
+    assert "tfserve-fp32/ct2-fp32/beam4-b32" in data["ratios"]
+    # the same model in every engine: fp32 outputs agree with Hugging Face's
+    for case in compare.QUICK_CASES:
+        for engine in ("tfserve-fp32", "ct2-fp32"):
+            assert data["agreement_with_hf"][case][engine]["tokens"] >= 0.9, (case, engine)
+    assert "tfserve-fp32 / ct2-fp32" in printed and "peak RSS" in printed

@@ -1,0 +1,389 @@
+"""Runtime + generation: backends agree, beam search is exact on a tiny vocabulary,
+batch invariance, sampling, options, the Translator API and the CLI."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from tests.exported import artifacts, demo_artifacts, demo_trained, eager_model
+from tfserve.config import ModelConfig
+from tfserve.eager import EagerBackend
+from tfserve.generation import DecodingOptions, filter_logits, generate, log_softmax
+from tfserve.model import Seq2SeqTransformer
+from tfserve.runtime import Runtime, parse_device
+from tfserve.translator import Translator
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def mixed_batch(runtime: Runtime, lengths: list[int], seed: int = 0):
+    rng = np.random.default_rng(seed)
+    sources = [rng.integers(3, runtime.vocab_size, size=n).tolist() + [runtime.eos_token_id]
+               for n in lengths]
+    return sources, runtime.tokenizer.pad_batch(sources)
+
+
+def assert_same(ref, got, what: str, atol: float = 1e-4) -> None:
+    assert len(ref) == len(got), what
+    for i, (r, g) in enumerate(zip(ref, got)):
+        assert [h.token_ids for h in r] == [h.token_ids for h in g], f"{what}: source {i}"
+        for hr, hg in zip(r, g):
+            assert abs(hr.score - hg.score) <= atol, f"{what}: source {i}: {hr.score} {hg.score}"
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "rope", "learned"])
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_backends_agree_on_random_models(positions: str, num_beams: int) -> None:
+    runtime = Runtime(artifacts(positions, "pre"))
+    eager = EagerBackend(eager_model(positions, "pre"))
+    _, (ids, mask) = mixed_batch(runtime, [3, 9, 1, 6])
+    options = DecodingOptions(max_new_tokens=12, num_beams=num_beams,
+                              num_return_sequences=min(2, num_beams))
+    assert_same(generate(eager, ids, mask, options), generate(runtime, ids, mask, options),
+                f"{positions} beams={num_beams}")
+
+
+@pytest.mark.skipif(not demo_trained(), reason="demo checkpoint not trained yet")
+def test_backends_agree_on_demo_beam() -> None:
+    from tfserve.demo import CHECKPOINT_DIR
+    from tfserve.model import load_checkpoint
+
+    runtime = Runtime(demo_artifacts())
+    eager = EagerBackend(load_checkpoint(CHECKPOINT_DIR))
+    texts = (CHECKPOINT_DIR / "samples.txt").read_text().splitlines()[:24]
+    ids, mask = runtime.tokenizer.pad_batch([runtime.tokenizer.encode(t) for t in texts])
+    options = DecodingOptions(max_new_tokens=40, num_beams=4, num_return_sequences=2)
+    assert_same(generate(eager, ids, mask, options), generate(runtime, ids, mask, options), "demo")
+
+
+# -- beam search against exhaustive search ----------------------------------------------------
+
+
+def exhaustive(model: Seq2SeqTransformer, source: list[int], max_len: int, length_penalty: float,
+               banned: set[int]) -> list[tuple[list[int], float]]:
+    """Every output up to max_len tokens, scored as documented, best first."""
+    cfg = model.config
+    ids = torch.tensor([source])
+    mask = torch.ones_like(ids)
+    results = []
+    tokens = [t for t in range(cfg.vocab_size) if t not in banned and t != cfg.eos_token_id]
+
+    def logprobs(prefix: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            dec = torch.tensor([[cfg.decoder_start_token_id] + prefix])
+            logits = model(ids, mask, dec)[0, -1].numpy().astype(np.float32)
+        logprobs = log_softmax(logits[None])[0]
+        logprobs[list(banned)] = -np.inf  # banned after the softmax, as the search does
+        return logprobs
+
+    for length in range(0, max_len + 1):
+        for prefix in itertools.product(tokens, repeat=length):
+            prefix = list(prefix)
+            total = sum(float(logprobs(prefix[:i])[t]) for i, t in enumerate(prefix))
+            if length < max_len:  # finishes with eos at position length + 1
+                done = total + float(logprobs(prefix)[cfg.eos_token_id])
+                results.append((prefix, done / (length + 1) ** length_penalty))
+            else:  # cut by max_new_tokens
+                results.append((prefix, total / length ** length_penalty))
+    return sorted(results, key=lambda r: -r[1])
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0, 2.0])
+def test_beam_search_matches_exhaustive_search(length_penalty: float) -> None:
+    torch.manual_seed(3)
+    cfg = ModelConfig(vocab_size=6, d_model=16, num_heads=2, encoder_layers=1, decoder_layers=1,
+                      ffn_dim=32, positions="rope", max_source_positions=16,
+                      max_target_positions=16)
+    model = Seq2SeqTransformer(cfg).eval()
+    with torch.no_grad():  # sharpen the distributions so ranks are well separated
+        model.shared.weight.mul_(8.0)
+    source = [3, 4, 5, 1]
+    max_len = 3
+    expected = exhaustive(model, source, max_len, length_penalty, banned={cfg.pad_token_id})
+    options = DecodingOptions(max_new_tokens=max_len, num_beams=16, num_return_sequences=16,
+                              length_penalty=length_penalty)
+    got = generate(EagerBackend(model), np.array([source]), np.ones((1, 4), np.int64),
+                   options)[0]
+    assert len(got) == 16
+    assert [h.token_ids for h in got] == [tokens for tokens, _ in expected[:16]], \
+        f"length_penalty={length_penalty}"
+    for hyp, (_, score) in zip(got, expected):
+        assert abs(hyp.score - score) < 1e-4
+
+
+def test_length_penalty_and_n_best_as_documented() -> None:
+    """score = sum of token log-probs (eos included) / length ** length_penalty."""
+    model = eager_model("rope", "pre")
+    backend = EagerBackend(model)
+    source = [5, 9, 14, 1]
+    ids, mask = np.array([source]), np.ones((1, 4), np.int64)
+    for length_penalty in (0.6, 2.0):
+        hyps = generate(backend, ids, mask, DecodingOptions(
+            max_new_tokens=10, num_beams=5, num_return_sequences=3,
+            length_penalty=length_penalty))[0]
+        assert len(hyps) == 3
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+        for hyp in hyps:
+            tokens = hyp.token_ids + ([1] if hyp.finished else [])
+            with torch.no_grad():
+                dec = torch.tensor([[0] + tokens[:-1]])
+                logits = model(torch.tensor(ids), torch.tensor(mask), dec)[0].numpy()
+            logprobs = log_softmax(logits)
+            total = sum(float(logprobs[i, t]) for i, t in enumerate(tokens))
+            assert abs(hyp.score - total / len(tokens) ** length_penalty) < 1e-4
+
+
+# -- batch invariance ---------------------------------------------------------------------------
+
+
+# one of each search, for the tests that must hold whatever the search
+EVERY_SEARCH = pytest.mark.parametrize("options", [
+    DecodingOptions(max_new_tokens=10),
+    DecodingOptions(max_new_tokens=10, num_beams=3, num_return_sequences=2),
+    DecodingOptions(max_new_tokens=10, do_sample=True, seed=11, top_k=20,
+                    num_return_sequences=2),
+], ids=["greedy", "beam", "sample"])
+
+
+@EVERY_SEARCH
+def test_batch_invariance(options: DecodingOptions) -> None:
+    runtime = Runtime(artifacts("sinusoidal", "pre"))
+    sources, (ids, mask) = mixed_batch(runtime, [7, 2, 12, 4, 1], seed=5)
+    batched = generate(runtime, ids, mask, options)
+    for i, source in enumerate(sources):
+        alone = generate(runtime, np.array([source]), np.ones((1, len(source)), np.int64),
+                         options)
+        assert_same(alone, [batched[i]], f"source {i} alone vs batched", atol=1e-5)
+
+
+# -- sampling -----------------------------------------------------------------------------------
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy() -> None:
+    runtime = Runtime(artifacts("rope", "pre"))
+    _, (ids, mask) = mixed_batch(runtime, [5, 8, 3])
+    sample = DecodingOptions(max_new_tokens=12, do_sample=True, seed=1234, temperature=1.3,
+                             num_return_sequences=3)
+    first, second = generate(runtime, ids, mask, sample), generate(runtime, ids, mask, sample)
+    assert_same(first, second, "same seed", atol=0.0)
+    other = generate(runtime, ids, mask, DecodingOptions(**{**sample.__dict__, "seed": 99}))
+    assert [h.token_ids for r in first for h in r] != [h.token_ids for r in other for h in r]
+    greedy = generate(runtime, ids, mask, DecodingOptions(max_new_tokens=12))
+    top1 = generate(runtime, ids, mask, DecodingOptions(max_new_tokens=12, do_sample=True,
+                                                        top_k=1, seed=5, temperature=0.7))
+    assert [r[0].token_ids for r in greedy] == [r[0].token_ids for r in top1]
+
+
+def test_top_p_filters_as_specified() -> None:
+    probs = np.array([[0.5, 0.3, 0.15, 0.05]])
+    logits = np.log(probs)
+    kept = lambda p: np.isfinite(filter_logits(logits, 0, p))[0].tolist()  # noqa: E731
+    assert kept(0.8) == [True, True, False, False]  # 0.5 + 0.3 reaches 0.8
+    assert kept(0.81) == [True, True, True, False]
+    assert kept(0.1) == [True, False, False, False]  # the most likely token always stays
+    assert kept(1.0) == [True, True, True, True]
+    assert np.isfinite(filter_logits(logits, 2, 1.0))[0].tolist() == [True, True, False, False]
+
+
+def test_sampled_tokens_stay_inside_the_nucleus() -> None:
+    runtime = Runtime(artifacts("rope", "pre"))
+    _, (ids, mask) = mixed_batch(runtime, [4])
+    _, cross = runtime.encode(ids, mask)
+    logits, _ = runtime.decode(np.array([[0]]), np.array([[0]]), np.ones((1, 1), np.int64),
+                               mask, runtime.empty_past(1), cross)
+    first = logits[0, -1].copy()
+    first[0] = -np.inf
+    allowed = set(np.flatnonzero(np.isfinite(filter_logits(first[None], 0, 0.5))[0]).tolist())
+    seen = set()
+    for seed in range(40):
+        hyp = generate(runtime, ids, mask, DecodingOptions(max_new_tokens=1, do_sample=True,
+                                                           top_p=0.5, seed=seed))[0][0]
+        seen.add(hyp.token_ids[0] if hyp.token_ids else 1)
+    assert seen <= allowed, f"sampled {seen - allowed} outside the top_p=0.5 nucleus {allowed}"
+
+
+def test_min_and_max_new_tokens() -> None:
+    runtime = Runtime(artifacts("rope", "pre"))
+    _, (ids, mask) = mixed_batch(runtime, [5, 2])
+    for beams in (1, 3):
+        hyps = generate(runtime, ids, mask, DecodingOptions(max_new_tokens=6, min_new_tokens=6,
+                                                            num_beams=beams))
+        for hyp in (r[0] for r in hyps):
+            assert len(hyp.token_ids) == 6 and not hyp.finished
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (dict(num_beams=0), "num_beams"),
+    (dict(num_beams=17), "num_beams"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(temperature=0.0), "temperature"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(num_beams=2, num_return_sequences=3), "num_return_sequences"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=10_000), "max_new_tokens"),
+    (dict(min_new_tokens=9, max_new_tokens=4), "min_new_tokens"),
+    (dict(top_k=-1), "top_k"),
+    (dict(colour="blue"), "colour"),
+])
+def test_translator_rejects_bad_options(overrides: dict, needle: str) -> None:
+    translator = Translator(artifacts("rope", "pre"))
+    with pytest.raises(ValueError, match=needle):
+        translator.translate(["seven"], **overrides)
+
+
+def test_translator_rejects_bad_texts_and_truncates_on_request() -> None:
+    translator = Translator(artifacts("rope", "pre"))
+    with pytest.raises(ValueError, match="must not be empty"):
+        translator.translate([])
+    with pytest.raises(ValueError, match=r"texts\[1\] is empty"):
+        translator.translate(["seven", "  "])
+    with pytest.raises(ValueError, match="list of strings"):
+        translator.translate("seven")
+    long_text = " ".join(["seven hundred"] * 200)
+    with pytest.raises(ValueError, match=r"texts\[0\] is \d+ tokens, over the limit of 300"):
+        translator.translate([long_text], max_new_tokens=2)
+    assert len(translator.translate([long_text], max_new_tokens=2, truncate=True)) == 1
+
+
+def test_encode_pools_the_hidden_states() -> None:
+    translator = Translator(artifacts("rope", "pre"))
+    eager = Translator.from_backend(EagerBackend(eager_model("rope", "pre")),
+                                    translator.tokenizer)
+    texts = ["seven", "three hundred and forty-two thousand"]
+    for pooling in ("mean", "max", "first"):
+        got = translator.encode(texts, pooling=pooling)
+        ref = eager.encode(texts, pooling=pooling)
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(g.embedding, r.embedding, atol=1e-4)
+            np.testing.assert_allclose(g.hidden_states, r.hidden_states, atol=1e-4)
+    mean = translator.encode(texts)[1]
+    np.testing.assert_allclose(mean.embedding, mean.hidden_states.mean(0), atol=1e-5)
+    with pytest.raises(ValueError, match="pooling"):
+        translator.encode(texts, pooling="sum")
+
+
+def test_device_strings() -> None:
+    assert parse_device("cpu") == ("cpu", 0)
+    assert parse_device("cuda:3") == ("cuda", 3)
+    with pytest.raises(ValueError, match="device"):
+        parse_device("tpu")
+    if not HAS_CUDA:
+        with pytest.raises(RuntimeError, match="onnxruntime-gpu"):
+            Runtime(artifacts("rope", "pre"), device="cuda")
+
+
+def test_serving_path_does_not_import_torch() -> None:
+    code = ("import sys, tfserve.runtime, tfserve.translator, tfserve.generation, "
+            "tfserve.tokenizer, tfserve.manifest; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs onnxruntime-gpu and a CUDA device")
+def test_cuda_matches_cpu() -> None:
+    cpu = Runtime(artifacts("rope", "pre"))
+    cuda = Runtime(artifacts("rope", "pre"), device="cuda")
+    _, (ids, mask) = mixed_batch(cpu, [5, 9, 2])
+    for options in (DecodingOptions(max_new_tokens=12),
+                    DecodingOptions(max_new_tokens=12, num_beams=4)):
+        assert_same(generate(cpu, ids, mask, options), generate(cuda, ids, mask, options),
+                    "cuda vs cpu", atol=1e-3)
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+
+
+def run_cli(*args: str, cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TFSERVE_CACHE": str(cache)}
+    return subprocess.run([sys.executable, "-m", "tfserve", *args], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=ROOT)
+
+
+@pytest.mark.skipif(not demo_trained(), reason="demo checkpoint not trained yet")
+def test_cli_translates_the_demo(tmp_path: Path) -> None:
+    phrases = ["three hundred and forty-two", "seven", "twenty-one thousand and one"]
+    result = run_cli("translate", *phrases, cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["trois cent quarante-deux", "sept",
+                                          "vingt et un mille un"]
+    result = run_cli("translate", "--beams", "4", "--n-best", "2", "--scores", "seven",
+                     cache=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].endswith("\tsept")
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    model = str(artifacts("rope", "pre"))
+    for args, needle in ((["--beams", "0", "x"], "num_beams"),
+                         (["--top-p", "2", "x"], "top_p"),
+                         (["--model", str(tmp_path / "missing"), "x"], "missing"),
+                         (["--device", "tpu", "x"], "device")):
+        full = ["translate", *args] if "--model" in args else ["translate", "--model", model,
+                                                                 *args]
+        result = run_cli(*full, cache=tmp_path)
+        assert result.returncode == 2, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], (args, result.stderr)
+
+
+# -- the device-resident cache path (what runs on CUDA), checked with CPU OrtValues -----------
+
+
+@EVERY_SEARCH
+def test_device_cache_path_matches_host_path(options: DecodingOptions) -> None:
+    """IO binding + OrtValue cache + on-device row ops give the host path's results."""
+    host = Runtime(artifacts("rope", "pre"))
+    device = Runtime(artifacts("rope", "pre"), device_cache=True)
+    assert isinstance(device.empty_past(1)[0], ort.OrtValue)
+    _, (ids, mask) = mixed_batch(host, [6, 2, 9])
+    assert_same(generate(host, ids, mask, options), generate(device, ids, mask, options),
+                "device cache vs host", atol=1e-5)
+
+
+def test_device_cache_rows_join_a_running_batch() -> None:
+    """Continuous batching on the device path: pad + concat when rows join mid-decode."""
+    from tfserve.generation import DecodeBatch, make_search
+
+    results = {}
+    for name, runtime in (("host", Runtime(artifacts("sinusoidal", "pre"))),
+                          ("device", Runtime(artifacts("sinusoidal", "pre"), device_cache=True))):
+        sources, (ids, mask) = mixed_batch(runtime, [5, 3, 8, 2], seed=9)
+        batch = DecodeBatch(runtime)
+        options = DecodingOptions(max_new_tokens=8, num_beams=2).validate(100)
+        out: dict[int, list] = {}
+
+        def join(rows: list[int], runtime=runtime, batch=batch, options=options,
+                 sources=sources) -> None:
+            sub_ids, sub_mask = runtime.tokenizer.pad_batch([sources[r] for r in rows])
+            _, cross = runtime.encode(sub_ids, sub_mask)
+            searches = [make_search(options, runtime.eos_token_id,
+                                    runtime.decoder_start_token_id) for _ in rows]
+            batch.add(searches, rows, cross, sub_mask)
+
+        join([0, 1])
+        for step in range(20):
+            if step == 2:
+                join([2, 3])  # joins with holes in front of its history
+            for tag, search in batch.step():
+                out[tag] = [h.token_ids for h in search.results()]
+            if not len(batch) and step > 2:
+                break
+        results[name] = out
+    assert results["host"] == results["device"]

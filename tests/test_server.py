@@ -1,0 +1,652 @@
+"""End-to-end tests of the gRPC server: a real server on a loopback ephemeral port, real clients.
+
+Most tests use a small random model (exported once per session): batching invariance, errors,
+cancellation and drain do not need good translations. The "translations are correct" tests
+use the bundled demo (exported through tfserve.demo.default_artifacts into a session cache)
+and are skipped until its trained checkpoint exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from server_helpers import (
+    ServerProcess,
+    ServerThread,
+    demo_trained,
+    export_random_model,
+    server_args,
+)
+
+from tfserve.client import AsyncClient, Client, ServerError
+from tfserve.proto import translator_pb2 as pb2
+from tfserve.proto import translator_pb2_grpc as pb2_grpc
+
+TEXTS = ["seven", "twenty-one", "three hundred and forty-two", "eight thousand and five",
+         "ninety-nine", "one hundred", "four hundred and twelve thousand six hundred",
+         "sixty"]
+
+
+# -- fixtures -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_random_model(tmp_path_factory.mktemp("random-model") / "artifacts")
+
+
+@pytest.fixture(scope="session")
+def random_runtime(random_model: Path) -> Any:
+    from tfserve.runtime import Runtime
+
+    return Runtime(random_model, intra_op_threads=1)
+
+
+@pytest.fixture(scope="module")
+def server(random_model: Path, random_runtime: Any) -> Any:
+    """A shared server: max batch 8 rows, so 32 clients queue and join between steps."""
+    with ServerThread(server_args(random_model, "--max-batch-size", "8",
+                                  "--metrics-port", str(free_port())),
+                      runtime=random_runtime) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server: ServerThread) -> Any:
+    with Client(server.target, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not demo_trained():
+        pytest.skip("the demo checkpoint (tfserve/demo/checkpoint/model.safetensors) is not "
+                    "trained yet")
+    from tfserve.demo import default_artifacts
+
+    saved = os.environ.get("TFSERVE_CACHE")
+    os.environ["TFSERVE_CACHE"] = str(tmp_path_factory.mktemp("tfserve-cache"))
+    try:
+        return default_artifacts()
+    finally:
+        if saved is None:
+            os.environ.pop("TFSERVE_CACHE", None)
+        else:
+            os.environ["TFSERVE_CACHE"] = saved
+
+
+@pytest.fixture(scope="module")
+def demo_server(demo_model: Path) -> Any:
+    with ServerThread(server_args(demo_model)) as running:
+        yield running
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def slow_steps(seconds: float) -> Any:
+    """A scheduler test hook that makes every decoder step take at least `seconds`."""
+
+    def hook(stage: str) -> None:
+        if stage == "step":
+            time.sleep(seconds)
+
+    return hook
+
+
+def same(a: list[Any], b: list[Any], atol: float = 1e-4) -> bool:
+    """Hypothesis lists with identical tokens and scores within atol."""
+    return (len(a) == len(b) and all(x.token_ids == y.token_ids for x, y in zip(a, b, strict=True))
+            and all(abs(x.score - y.score) <= atol for x, y in zip(a, b, strict=True)))
+
+
+# -- translations ---------------------------------------------------------------------------
+
+
+def test_demo_translations_are_correct(demo_server: ServerThread) -> None:
+    expected = {"three hundred and forty-two": "trois cent quarante-deux", "seven": "sept",
+                "twenty-one": "vingt et un"}
+    with Client(demo_server.target, timeout=60) as client:
+        assert client.translate(list(expected)) == list(expected.values())
+        assert client.translate(list(expected), num_beams=4) == list(expected.values())
+        for text, french in expected.items():
+            chunks = list(client.translate_stream([text]))
+            assert "".join(c.text_delta for c in chunks) == french
+            assert chunks[-1].done and chunks[-1].final.text == french
+            assert sum(not c.done for c in chunks) >= 1  # tokens came as they were decided
+
+
+@pytest.mark.parametrize("options", [
+    dict(max_new_tokens=9, min_new_tokens=4),
+    dict(max_new_tokens=7, min_new_tokens=2, do_sample=True, seed=3, top_k=20),
+    dict(max_new_tokens=6, num_beams=3, num_return_sequences=2),
+], ids=["greedy", "sampling", "beam"])
+def test_stream_chunks_concatenate_to_unary(client: Client, options: dict[str, Any]) -> None:
+    texts = TEXTS[:3]
+    unary = client.translate_hypotheses(texts, **options)
+    chunks = list(client.translate_stream(texts, **options))
+    for index, hypotheses in enumerate(unary):
+        mine = [c for c in chunks if c.index == index]
+        assert mine[-1].done and sum(c.done for c in mine) == 1
+        assert "".join(c.text_delta for c in mine) == hypotheses[0].text
+        assert [t for c in mine for t in c.token_ids] == hypotheses[0].token_ids
+        assert same([mine[-1].final], hypotheses[:1])
+        if not options.get("num_beams"):
+            assert len(mine) > 2  # single hypothesis: streamed token by token
+        else:
+            assert len(mine) == 1 and same(mine[-1].hypotheses, hypotheses)
+
+
+def test_text_deltas_with_sentencepiece_whitespace(random_runtime: Any) -> None:
+    from tfserve.server import _TextDelta
+
+    tokenizer = random_runtime.tokenizer
+    target = "quatre cent douze mille six cents"
+    ids = tokenizer.encode(target)[:-1]
+    delta = _TextDelta(tokenizer.decode)
+    pieces = [delta.push([token]) for token in ids]
+    assert "".join(pieces) == tokenizer.decode(ids)
+
+
+def test_encode_matches_offline_translator(client: Client, random_model: Path) -> None:
+    from tfserve.translator import Translator
+
+    offline = Translator(random_model, intra_op_threads=1)
+    for pooling in ("mean", "max", "first"):
+        expected = offline.encode(TEXTS, pooling=pooling)
+        got = client.encode(TEXTS, pooling=pooling, per_token=True)
+        for e, g in zip(expected, got, strict=True):
+            np.testing.assert_allclose(g.embedding, e.embedding, atol=1e-5, rtol=0)
+            np.testing.assert_allclose(g.hidden_states, e.hidden_states, atol=1e-5, rtol=0)
+            assert g.token_ids == e.token_ids
+    assert client.encode(["seven"])[0].hidden_states.shape == (0, 32)  # not requested
+
+
+def test_token_id_input_and_request_id(client: Client, server: ServerThread,
+                                       random_runtime: Any) -> None:
+    ids = random_runtime.tokenizer.encode("twenty-one")
+    by_text = client.translate_hypotheses(["twenty-one"], max_new_tokens=5)
+    assert same(client.translate_hypotheses(token_ids=[ids], max_new_tokens=5)[0], by_text[0])
+    assert same(client.translate_hypotheses(token_ids=[ids[:-1]], max_new_tokens=5)[0],
+                by_text[0])  # eos appended
+    stub = pb2_grpc.TranslatorStub(client.channel)
+    response, call = stub.Translate.with_call(
+        pb2.TranslateRequest(texts=["seven"], request_id="req-42",
+                             options=pb2.DecodingOptions(max_new_tokens=2)))
+    assert response.request_id == "req-42"
+    assert ("x-request-id", "req-42") in call.initial_metadata()
+    response, call = stub.Translate.with_call(pb2.TranslateRequest(texts=["seven"]))
+    assert len(response.request_id) == 32
+    assert ("x-request-id", response.request_id) in call.initial_metadata()
+
+
+def test_model_info(client: Client) -> None:
+    info = client.model_info()
+    assert info.model_name == "random-test-model" and info.vocab_size == 111
+    assert info.d_model == 32 and info.num_heads == 4 and info.positions == "rope"
+    assert info.max_source_tokens == 128 and info.dtype == "fp32" and info.device == "cpu"
+    assert info.limits.max_batch_size == 8 and info.limits.default_max_new_tokens == 127
+    assert info.parity.passed and info.parity.max_abs_logits_diff < 1e-4
+    assert info.tfserve_version
+
+
+def test_async_client(server: ServerThread, client: Client) -> None:
+    async def run() -> tuple[Any, ...]:
+        async with AsyncClient(server.target, timeout=30) as aclient:
+            results = await asyncio.gather(
+                *(aclient.translate_hypotheses([text], max_new_tokens=6) for text in TEXTS))
+            chunks = [c async for c in aclient.translate_stream(["seven"], max_new_tokens=6)]
+            return results, chunks, await aclient.health(), await aclient.encode(["seven"])
+
+    results, chunks, health, encodings = asyncio.run(run())
+    alone = client.translate_hypotheses(TEXTS, max_new_tokens=6)
+    assert all(same(r[0], a) for r, a in zip(results, alone, strict=True))
+    assert "".join(c.text_delta for c in chunks) == alone[0][0].text
+    assert health == "SERVING" and encodings[0].embedding.shape == (32,)
+
+
+# -- batching invariance --------------------------------------------------------------------
+
+OPTION_POOL = [
+    dict(max_new_tokens=3),
+    dict(max_new_tokens=8),
+    dict(max_new_tokens=12, min_new_tokens=12),
+    dict(max_new_tokens=6, num_beams=2),
+    dict(max_new_tokens=5, num_beams=3, num_return_sequences=2),
+    dict(max_new_tokens=7, num_beams=4, length_penalty=0.5),
+    dict(max_new_tokens=6, do_sample=True, seed=1),
+    dict(max_new_tokens=9, do_sample=True, seed=7, top_k=10, temperature=0.8),
+    dict(max_new_tokens=5, do_sample=True, seed=11, top_p=0.9, num_return_sequences=3),
+]
+
+
+def run_invariance(server: ServerThread, requests: int, clients: int, seed: int) -> None:
+    rng = random.Random(seed)
+    plan = [([rng.choice(TEXTS) for _ in range(rng.choice((1, 1, 2, 3)))],
+             rng.randrange(len(OPTION_POOL))) for _ in range(requests)]
+    with Client(server.target, timeout=120) as client:
+        # every (text, options) pair alone: one text, nothing else on the server
+        alone = {(text, option): client.translate_hypotheses([text], **OPTION_POOL[option])[0]
+                 for option in sorted({o for _, o in plan})
+                 for text in sorted({t for texts, o in plan if o == option for t in texts})}
+        steps_before = server.scheduler.stats.steps
+        rows_before = server.scheduler.stats.rows_stepped
+        with ThreadPoolExecutor(clients) as pool:
+            answers = list(pool.map(
+                lambda p: client.translate_hypotheses(p[0], **OPTION_POOL[p[1]]), plan))
+    mismatches = [(texts, OPTION_POOL[option], index)
+                  for (texts, option), answer in zip(plan, answers, strict=True)
+                  for index, text in enumerate(texts)
+                  if not same(answer[index], alone[text, option])]
+    assert not mismatches, f"{len(mismatches)} answers differ from the lone request, e.g. " \
+                           f"{mismatches[:3]}"
+    steps = server.scheduler.stats.steps - steps_before
+    rows = server.scheduler.stats.rows_stepped - rows_before
+    assert rows / steps > 3, "the load never shared a decoder batch"
+
+
+def test_batching_invariance_under_load(server: ServerThread) -> None:
+    started = time.monotonic()
+    run_invariance(server, requests=300, clients=32, seed=0)
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.slow
+def test_batching_invariance_under_heavy_load(server: ServerThread) -> None:
+    run_invariance(server, requests=2000, clients=64, seed=1)
+
+
+def test_scheduler_reuses_a_batch_emptied_by_cancellation(random_runtime: Any) -> None:
+    from tfserve.generation import DecodingOptions
+    from tfserve.scheduler import Cancelled, Scheduler, SchedulerConfig
+
+    source = random_runtime.tokenizer.encode("twenty-one")
+    short = DecodingOptions(max_new_tokens=5)
+    with Scheduler(random_runtime, SchedulerConfig(max_batch_size=4)) as scheduler:
+        expected = scheduler.translate([source, source], short, timeout=30)
+        scheduler.test_hook = slow_steps(0.005)
+        steps_before = scheduler.stats.steps
+        long = [scheduler.submit_translate([source], DecodingOptions(
+            max_new_tokens=60, min_new_tokens=60)) for _ in range(2)]
+        while scheduler.stats.steps < steps_before + 3:
+            time.sleep(0.001)
+        for job in long:
+            job.cancel()
+        while not scheduler.idle:
+            time.sleep(0.001)
+        scheduler.test_hook = None
+        assert all(same(a, b) for a, b in zip(
+            scheduler.translate([source, source], short, timeout=30), expected, strict=True))
+        for job in long:
+            with pytest.raises(Cancelled):
+                job.result()
+        assert scheduler.stats.model_errors == 0
+        assert scheduler.stats.freed_rows["cancelled"] == 2
+
+
+def test_continuous_batching_respects_row_limit(random_runtime: Any) -> None:
+    """Scheduler alone (no gRPC): late requests join a running batch; rows never exceed max."""
+    from tfserve.generation import DecodingOptions
+    from tfserve.scheduler import Scheduler, SchedulerConfig
+
+    seen_rows: list[int] = []
+    with Scheduler(random_runtime, SchedulerConfig(max_batch_size=6)) as scheduler:
+        scheduler.test_hook = lambda stage: seen_rows.append(scheduler._batch.rows) if (
+            stage == "step") else None
+        source = random_runtime.tokenizer.encode("seven")
+        first = scheduler.submit_translate([source], DecodingOptions(max_new_tokens=30,
+                                                                     min_new_tokens=30))
+        while scheduler.stats.steps < 3:
+            time.sleep(0.001)
+        late = [scheduler.submit_translate([source], DecodingOptions(
+            max_new_tokens=4, num_beams=beams)) for beams in (2, 3, 4, 1)]
+        first.result(30)
+        results = [job.result(30) for job in late]
+    assert max(seen_rows) <= 6
+    assert first.future.done() and all(len(r[0]) == 1 for r in results)
+    # the late requests decoded while the first was still running
+    assert max(seen_rows) > 1 and seen_rows.index(max(seen_rows)) < 30
+
+
+# -- cancellation, deadlines, queue, failures -----------------------------------------------
+
+
+def test_cancelled_and_expired_requests_stop_decoding(random_model: Path,
+                                                      random_runtime: Any) -> None:
+    with ServerThread(server_args(random_model, "--max-batch-size", "4"),
+                      runtime=random_runtime) as server, Client(server.target) as client:
+        long = dict(max_new_tokens=100, min_new_tokens=100)
+        short = dict(max_new_tokens=6)
+        expected = client.translate_hypotheses(TEXTS[:2], **short)
+        server.scheduler.test_hook = slow_steps(0.01)  # the long requests need >= 1 s each
+        stats = server.scheduler.stats
+        steps_before = stats.steps
+        stub = pb2_grpc.TranslatorStub(client.channel)
+        cancelled = stub.Translate.future(pb2.TranslateRequest(
+            texts=["seven"], options=pb2.DecodingOptions(**long)))
+        with pytest.raises(ServerError) as expired:
+            client.translate(["twenty-one"], timeout=0.3, **long)
+        assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        cancelled.cancel()
+        with pytest.raises(grpc.FutureCancelledError):
+            cancelled.result()
+        # others running at the same time are not disturbed
+        again = client.translate_hypotheses(TEXTS[:2], **short)
+        assert all(same(a, b) for a, b in zip(again, expected, strict=True))
+        time.sleep(0.1)
+        assert server.scheduler.idle
+        steps = stats.steps - steps_before
+        assert steps < 100, f"{steps} steps: the dropped requests kept decoding"
+        assert stats.freed_rows.get("deadline", 0) >= 1
+        assert stats.freed_rows.get("cancelled", 0) >= 1
+        assert stats.skipped_steps.get("deadline", 0) + stats.skipped_steps.get(
+            "cancelled", 0) > 100
+        assert server.metrics.value("tfserve_freed_rows_total", {"reason": "deadline"}) >= 1
+        assert server.metrics.value("tfserve_skipped_steps_total", {"reason": "cancelled"}) > 0
+
+
+def test_deadline_while_queued(random_model: Path, random_runtime: Any) -> None:
+    with ServerThread(server_args(random_model, "--max-batch-size", "1"),
+                      runtime=random_runtime) as server, Client(server.target) as client:
+        server.scheduler.test_hook = slow_steps(0.01)
+        with ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(client.translate, ["seven"], max_new_tokens=40,
+                               min_new_tokens=40)
+            time.sleep(0.1)
+            with pytest.raises(ServerError) as queued:
+                client.translate(["eight"], timeout=0.15, max_new_tokens=3)
+            assert queued.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert len(busy.result(30)) == 1
+        assert server.scheduler.stats.freed_rows.get("deadline", 0) == 0  # never decoded
+
+
+def test_queue_full_is_resource_exhausted(random_model: Path, random_runtime: Any) -> None:
+    with ServerThread(server_args(random_model, "--max-batch-size", "1", "--max-queue", "2"),
+                      runtime=random_runtime) as server, Client(server.target) as client:
+        expected = client.translate_hypotheses(["seven"], max_new_tokens=5)
+        server.scheduler.test_hook = slow_steps(0.005)
+
+        def send(_: int) -> Any:
+            try:
+                return client.translate_hypotheses(["seven"], max_new_tokens=5)
+            except ServerError as exc:
+                return exc.code()
+
+        with ThreadPoolExecutor(12) as pool:
+            outcomes = list(pool.map(send, range(12)))
+        codes = [o for o in outcomes if isinstance(o, grpc.StatusCode)]
+        answers = [o for o in outcomes if not isinstance(o, grpc.StatusCode)]
+        assert codes and set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert answers and all(same(a[0], expected[0]) for a in answers)
+        server.scheduler.test_hook = None
+        assert same(client.translate_hypotheses(["seven"], max_new_tokens=5)[0], expected[0])
+        assert server.metrics.value("tfserve_requests_total",
+                                    {"rpc": "Translate", "code": "RESOURCE_EXHAUSTED"}) >= 1
+
+
+BAD_REQUESTS = [
+    (dict(texts=[]), "texts must not be empty"),
+    (dict(texts=["seven"] * 257), "texts holds 257 items"),
+    (dict(texts=["seven", "  "]), "texts[1] is empty"),
+    (dict(texts=["seven " * 200]), "texts[0] is "),
+    (dict(texts=["seven"], num_beams=40), "options.num_beams"),
+    (dict(texts=["seven"], num_beams=9), "options.num_beams is 9, over the server's max batch"),
+    (dict(texts=["seven"], num_return_sequences=3, num_beams=2), "options.num_return_sequences"),
+    (dict(texts=["seven"], max_new_tokens=1000), "options.max_new_tokens"),
+    (dict(texts=["seven"], max_new_tokens=-1), "options.max_new_tokens"),
+    (dict(texts=["seven"], min_new_tokens=9, max_new_tokens=4), "options.min_new_tokens"),
+    (dict(texts=["seven"], do_sample=True, temperature=0.0), "options.temperature"),
+    (dict(texts=["seven"], do_sample=True, top_p=1.5), "options.top_p"),
+    (dict(texts=["seven"], top_k=-2), "options.top_k"),
+    (dict(texts=["seven"], do_sample=True, seed=-1), "options.seed"),
+    (dict(texts=["seven"], do_sample=True, num_beams=2), "options.num_beams"),
+    (dict(texts=["seven"], token_ids=[[5]]), "texts and token_ids are mutually exclusive"),
+    (dict(token_ids=[[5, 999]]), "token_ids[0].ids[1] is 999"),
+    (dict(token_ids=[[5], []]), "token_ids[1] is empty"),
+    (dict(token_ids=[[5] * 200]), "token_ids[0] is 201 tokens"),
+]
+
+
+def test_bad_input_is_invalid_argument(client: Client) -> None:
+    for kwargs, message in BAD_REQUESTS:
+        for call in (client.translate, lambda **kw: list(client.translate_stream(**kw))):
+            with pytest.raises(ServerError) as error:
+                call(**kwargs)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kwargs
+            assert message in error.value.details(), (kwargs, error.value.details())
+    for kwargs, message in [(dict(texts=["seven"], pooling="median"), "pooling must be one of"),
+                            (dict(texts=[""]), "texts[0] is empty"),
+                            (dict(texts=["seven " * 200]), "texts[0] is ")]:
+        with pytest.raises(ServerError) as error:
+            client.encode(**kwargs)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in error.value.details()
+    # truncate turns the over-long input into a valid one; the server still answers
+    assert len(client.translate(["seven " * 200], truncate=True, max_new_tokens=3)) == 1
+    assert len(client.encode(["seven " * 200], truncate=True)[0].token_ids) == 128
+    assert len(client.translate(["seven"], max_new_tokens=3)) == 1
+
+
+def test_model_failure_is_internal_for_that_batch_only(random_model: Path,
+                                                       random_runtime: Any) -> None:
+    with ServerThread(server_args(random_model, "--max-batch-size", "8"),
+                      runtime=random_runtime) as server, Client(server.target) as client:
+        long = dict(max_new_tokens=30, min_new_tokens=30)
+        expected = client.translate_hypotheses(["seven"], **long)
+        fail_next: list[str] = []
+
+        def hook(stage: str) -> None:
+            if stage == "step":
+                time.sleep(0.01)
+            if stage in fail_next:
+                fail_next.remove(stage)
+                raise RuntimeError(f"injected {stage} failure")
+
+        server.scheduler.test_hook = hook
+        steps_before = server.scheduler.stats.steps
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(client.translate_hypotheses, ["seven"], **long)
+            while server.scheduler.stats.steps < steps_before + 3:
+                time.sleep(0.005)
+            fail_next.append("encode")  # the next request's encoder batch fails ...
+            with pytest.raises(ServerError) as failed:
+                client.translate(["eight"], max_new_tokens=3)
+            assert failed.value.code() == grpc.StatusCode.INTERNAL
+            assert "injected encode failure" in failed.value.details()
+            assert same(running.result(30)[0], expected[0])  # ... not the running one
+        # a failed decoder step fails the requests in that batch, then the server goes on
+        fail_next.append("step")
+        with pytest.raises(ServerError) as failed:
+            client.translate(["nine"], max_new_tokens=3)
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        fail_next.append("embed")
+        with pytest.raises(ServerError) as failed:
+            client.encode(["nine"])
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        server.scheduler.test_hook = None
+        assert same(client.translate_hypotheses(["seven"], **long)[0], expected[0])
+        assert server.scheduler.stats.model_errors == 3
+        assert server.metrics.value("tfserve_model_errors_total", {"stage": "step"}) == 1
+
+
+# -- operations -----------------------------------------------------------------------------
+
+
+def test_health_and_reflection_with_generic_stubs(server: ServerThread) -> None:
+    with grpc.insecure_channel(server.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "tfserve.v1.Translator"):
+            response = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert response.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = list(reflection.ServerReflectionInfo(iter([
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(
+                file_containing_symbol="tfserve.v1.Translator")]), timeout=10))
+        names = {s.name for s in responses[0].list_services_response.service}
+        assert {"tfserve.v1.Translator", "grpc.health.v1.Health"} <= names
+        assert responses[1].file_descriptor_response.file_descriptor_proto
+
+
+def test_metrics_endpoint(server: ServerThread, client: Client) -> None:
+    client.translate(["seven"], max_new_tokens=3)
+    url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    for name in ("tfserve_requests_total", "tfserve_queue_seconds_bucket",
+                 "tfserve_decoder_batch_rows_bucket", "tfserve_generated_tokens_total",
+                 "tfserve_decoder_step_seconds_bucket", "tfserve_in_flight_requests",
+                 "tfserve_queue_depth"):
+        assert name in text
+    assert 'tfserve_requests_total{code="OK",rpc="Translate"}' in text
+
+
+def test_auth_token(random_model: Path, random_runtime: Any) -> None:
+    with ServerThread(server_args(random_model, "--auth-token", "s3cret"),
+                      runtime=random_runtime) as server:
+        with Client(server.target, timeout=10) as anonymous:
+            assert anonymous.health() == "SERVING"  # health is exempt
+            for call in (lambda: anonymous.translate(["seven"]),
+                         lambda: list(anonymous.translate_stream(["seven"])),
+                         anonymous.model_info):
+                with pytest.raises(ServerError) as error:
+                    call()
+                assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(server.target, timeout=10, token="wrong") as wrong:
+            with pytest.raises(ServerError):
+                wrong.translate(["seven"])
+        with Client(server.target, timeout=10, token="s3cret") as authorized:
+            assert len(authorized.translate(["seven"], max_new_tokens=2)) == 1
+
+
+def test_tls(random_model: Path, random_runtime: Any, tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    with ServerThread(server_args(random_model, "--tls-cert", str(cert), "--tls-key", str(key)),
+                      runtime=random_runtime) as server:
+        with Client(server.target, timeout=10, root_certificates=cert.read_bytes()) as secure:
+            assert len(secure.translate(["seven"], max_new_tokens=2)) == 1
+        with Client(server.target, timeout=2) as plaintext:
+            with pytest.raises(ServerError) as error:
+                plaintext.translate(["seven"])
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_max_message_size(random_model: Path, random_runtime: Any) -> None:
+    with ServerThread(server_args(random_model, "--max-message-bytes", "2000"),
+                      runtime=random_runtime) as server, Client(server.target,
+                                                                timeout=10) as client:
+        with pytest.raises(ServerError) as error:
+            client.translate(["seven"] * 250)  # about 2.3 kB on the wire
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(ServerError) as error:  # 8 x 16 x 32 floats back: too big to send
+            client.encode([TEXTS[6]] * 8, per_token=True)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert len(client.translate(["seven"], max_new_tokens=2)) == 1
+
+
+def test_flags_and_env_vars() -> None:
+    from tfserve.server import parse_config
+
+    env = {"TFSERVE_PORT": "6000", "TFSERVE_MAX_QUEUE": "7", "TFSERVE_MODEL": "/models/x",
+           "TFSERVE_MAX_WAIT_MS": "0.5"}
+    config = parse_config(["--port", "6001"], environ=env)
+    assert config.port == 6001 and config.max_queue == 7 and config.max_wait_ms == 0.5
+    assert str(config.model) == "/models/x"
+    assert parse_config([], environ={}).port == 50051
+    with pytest.raises(SystemExit):
+        parse_config([], environ={"TFSERVE_PORT": "many"})
+    with pytest.raises(SystemExit):
+        parse_config(["--tls-cert", "c.pem"], environ={})
+
+
+def test_graceful_drain_on_sigterm(random_model: Path) -> None:
+    process = ServerProcess(server_args(random_model, "--max-batch-size", "2",
+                                        "--grace-seconds", "30"))
+    try:
+        target = process.wait_serving()
+        with Client(target, timeout=60) as client:
+            long = dict(max_new_tokens=120, min_new_tokens=120)
+            with ThreadPoolExecutor(4) as pool:
+                # 4 requests x 6 inputs x 120 steps through 2 rows: a few seconds of work
+                in_flight = [pool.submit(client.translate_hypotheses, TEXTS[i : i + 6], **long)
+                             for i in range(4)]
+                time.sleep(0.3)
+                assert not any(f.done() for f in in_flight), "requests finished too early"
+                process.proc.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + 10
+                while client.health() != "NOT_SERVING":
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+                with pytest.raises(ServerError) as rejected:
+                    client.translate(["seven"], max_new_tokens=2)
+                assert rejected.value.code() == grpc.StatusCode.UNAVAILABLE
+                answers = [f.result(60) for f in in_flight]
+        assert all(len(h[0].token_ids) == 120 for a in answers for h in a)
+        assert process.proc.wait(30) == 0
+        records = process.records()
+        assert [r for r in records if r.get("event") == "stopped"]
+        statuses = [r.get("status") for r in records if r.get("rpc") == "Translate"]
+        assert statuses.count("OK") == 4 and "UNAVAILABLE" in statuses
+    finally:
+        process.kill()
+
+
+def test_loadgen_smoke(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    from tfserve.loadgen import english_number, main
+
+    assert english_number(342) == "three hundred and forty-two"
+    assert english_number(8005) == "eight thousand and five"
+    code = main(["--server", server.target, "--concurrency", "1,4", "--requests", "8",
+                 "--duration", "10", "--max-new-tokens", "4", "--warmup", "1", "--json"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert code == 0 and len(lines) == 2 and '"concurrency": 4' in lines[1]
+    assert main(["--server", "192.0.2.1:50051"]) == 2  # not loopback
+
+
+def test_proto_build_is_reproducible(tmp_path: Path) -> None:
+    from tfserve import proto_build
+
+    assert not proto_build.is_stale()
+    written = proto_build.build(out_dir=tmp_path)
+    names = sorted(p.name for p in written)
+    assert "translator_pb2.py" in names and "translator_pb2_grpc.py" in names
+    grpc_module = next(p for p in written if p.name == "translator_pb2_grpc.py").read_text()
+    assert "from tfserve.proto.tfserve.v1 import translator_pb2" in grpc_module
+    assert not proto_build.is_stale(out_dir=tmp_path)
+
+
+def test_serving_path_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, tfserve.server, tfserve.client, tfserve.scheduler, tfserve.loadgen; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1],
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+                          ).returncode == 0
+

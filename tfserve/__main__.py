@@ -1,0 +1,5 @@
+import sys
+
+from tfserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,177 @@
+"""Offline benchmark: ONNX Runtime backend vs the eager PyTorch backend, one run, same inputs.
+
+    python -m tfserve bench                       # the bundled demo
+    python -m tfserve bench --random-base         # random opus-mt-base-sized model
+    python -m tfserve bench --server HOST:PORT    # load generator against a running server
+
+Cases (fixed output length: min_new_tokens = max_new_tokens, so every engine decodes the
+same number of tokens): greedy batch 1, greedy batch 16, beam 4 batch 32. Prints tokens/s
+per backend and the ratio ONNX Runtime / eager. Needs torch (the eager side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# d_model 512, 6+6 layers, 8 heads, FFN 2048, vocab 32k: the size of Helsinki-NLP/opus-mt-*
+BASE_CONFIG = dict(vocab_size=32000, d_model=512, num_heads=8, encoder_layers=6,
+                   decoder_layers=6, ffn_dim=2048, activation="silu", norm="post",
+                   positions="sinusoidal", sinusoidal_layout="half", final_logits_bias=True,
+                   max_source_positions=512, max_target_positions=512,
+                   name="random-opus-mt-base")
+CASES = {
+    "greedy-b1": dict(batch=1, num_beams=1),
+    "greedy-b16": dict(batch=16, num_beams=1),
+    "beam4-b32": dict(batch=32, num_beams=4),
+}
+
+
+def make_random_base(directory: Path, seed: int = 0) -> Path:
+    """A random opus-mt-base-sized native checkpoint with the demo tokenizer files."""
+    import shutil
+
+    import torch
+
+    from tfserve.config import ModelConfig
+    from tfserve.demo import CHECKPOINT_DIR
+    from tfserve.model import Seq2SeqTransformer, save_checkpoint
+
+    torch.manual_seed(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("source.spm", "tokenizer.json"):
+        shutil.copy2(CHECKPOINT_DIR / name, directory / name)
+    save_checkpoint(Seq2SeqTransformer(ModelConfig(**BASE_CONFIG)), directory)
+    return directory
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> float:
+    """Best wall time of `repeat` runs after one warm-up run."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def source_batch(vocab: int, eos: int, batch: int, length: int, seed: int) -> tuple[np.ndarray,
+                                                                                  np.ndarray]:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, vocab, size=(batch, length), dtype=np.int64)
+    ids[:, -1] = eos
+    return ids, np.ones_like(ids)
+
+
+def run_cases(backends: dict[str, Any], vocab: int, eos: int, new_tokens: int, source_len: int,
+              cases: list[str], repeat: int) -> list[dict[str, Any]]:
+    from tfserve.generation import DecodingOptions, generate
+
+    rows = []
+    for case in cases:
+        spec = CASES[case]
+        ids, mask = source_batch(vocab, eos, spec["batch"], source_len, seed=len(rows))
+        options = DecodingOptions(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  num_beams=spec["num_beams"])
+        row: dict[str, Any] = {"case": case, "batch": spec["batch"], "new_tokens": new_tokens}
+        for name, backend in backends.items():
+            seconds = timed(
+                lambda b=backend, i=ids, m=mask, o=options: generate(b, i, m, o), repeat)
+            row[f"{name}_tok_s"] = spec["batch"] * new_tokens / seconds
+        names = list(backends)
+        if len(names) == 2:
+            row["ratio"] = row[f"{names[0]}_tok_s"] / row[f"{names[1]}_tok_s"]
+        rows.append(row)
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v
+                          for k, v in row.items()}), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--server" in argv:
+        from tfserve.loadgen import main as loadgen_main
+
+        return loadgen_main(argv)
+    parser = argparse.ArgumentParser(prog="python -m tfserve bench", description=__doc__.split(
+        "\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="native checkpoint (default: the bundled demo)")
+    parser.add_argument("--random-base", action="store_true",
+                        help="benchmark a random opus-mt-base-sized model instead")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="reuse an exported artifacts dir of the same checkpoint")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated cases")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per row")
+    parser.add_argument("--source-len", type=int, default=24)
+    parser.add_argument("--threads", type=int, default=0, help="threads for both backends "
+                        "(0: all cores)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quantize", action="store_true",
+                        help="also time an int8-quantized export")
+    args = parser.parse_args(argv)
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; known: {', '.join(CASES)}")
+
+    import torch
+
+    from export.cli import main as export_main
+    from tfserve.eager import EagerBackend
+    from tfserve.model import load_checkpoint
+    from tfserve.runtime import Runtime, default_threads
+
+    threads = args.threads or default_threads()
+    torch.set_num_threads(threads)
+    work = Path(tempfile.mkdtemp(prefix="tfserve-bench-"))
+    checkpoint = args.checkpoint
+    if args.random_base:
+        checkpoint = make_random_base(work / "checkpoint")
+    if checkpoint is None:
+        from tfserve.demo import CHECKPOINT_DIR
+
+        checkpoint = CHECKPOINT_DIR
+    artifacts = args.model
+    if artifacts is None:
+        artifacts = work / "artifacts"
+        code = export_main(["--checkpoint", str(checkpoint), "--out", str(artifacts), "--force",
+                            "--quiet", "--parity-samples", "0"])
+        if code:
+            return code
+    model = load_checkpoint(checkpoint)
+    backends: dict[str, Any] = {"onnxruntime": Runtime(artifacts, intra_op_threads=threads),
+                                "eager": EagerBackend(model)}
+    if args.quantize:
+        quantized = work / "artifacts-int8"
+        code = export_main(["--checkpoint", str(checkpoint), "--out", str(quantized), "--force",
+                            "--quiet", "--parity-samples", "0", "--quantize", "int8"])
+        if code:
+            return code
+        backends = {"onnxruntime": backends["onnxruntime"],
+                    "onnxruntime_int8": Runtime(quantized, intra_op_threads=threads),
+                    "eager": backends["eager"]}
+    cfg = model.config
+    print(json.dumps({"model": cfg.name, "d_model": cfg.d_model, "layers": [
+        cfg.encoder_layers, cfg.decoder_layers], "vocab": cfg.vocab_size, "threads": threads}),
+        flush=True)
+    new_tokens = min(args.new_tokens, cfg.max_target_positions - 1)
+    source_len = min(args.source_len, cfg.max_source_positions)
+    rows = run_cases(backends, cfg.vocab_size, cfg.eos_token_id, new_tokens, source_len, cases,
+                     args.repeat)
+    print("\ncase          " + "".join(f"{name + ' tok/s':>22}" for name in backends)
+          + "   ratio onnxruntime/eager")
+    for row in rows:
+        ratio = row["onnxruntime_tok_s"] / row["eager_tok_s"]
+        print(f"{row['case']:<14}" + "".join(f"{row[f'{n}_tok_s']:>22.1f}" for n in backends)
+              + f"   {ratio:.2f}x")
+    return 0

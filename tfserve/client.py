@@ -1,0 +1,295 @@
+"""Python clients of a tfserve server: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    from tfserve.client import Client
+    with Client("localhost:50051") as client:
+        client.translate(["three hundred and forty-two"])            # ['trois cent quarante-deux']
+        client.translate_hypotheses(["seven"], num_beams=4, num_return_sequences=2)
+        for chunk in client.translate_stream(["twenty-one"]):
+            print(chunk.text_delta, end="")
+        client.encode(["seven"], pooling="mean", per_token=True)
+
+Decoding options are the keyword arguments of `tfserve.generation.DecodingOptions`; the
+server validates them. A failed call raises `ServerError` (a RuntimeError and a grpc.RpcError)
+carrying the status code and the server's message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tfserve.proto import load as load_stubs
+from tfserve.translator import Encoding, Translation
+
+pb2, pb2_grpc = load_stubs()
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_OPTION_FIELDS = ("max_new_tokens", "min_new_tokens", "num_beams", "length_penalty",
+                  "num_return_sequences", "do_sample", "temperature", "top_k", "top_p", "seed",
+                  "early_stopping")
+
+
+class ServerError(RuntimeError, grpc.RpcError):
+    """A call that ended with a non-OK status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, request_id: str = "") -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+        self.request_id = request_id
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@dataclass
+class StreamChunk:
+    """One TranslateStream message: text and tokens to append to input `index`."""
+
+    index: int
+    text_delta: str
+    token_ids: list[int]
+    done: bool
+    final: Translation | None  # the best hypothesis, on the last chunk of the input
+    hypotheses: list[Translation]  # every hypothesis, on the last chunk, when several
+    request_id: str
+
+
+def options_message(**options: Any) -> Any:
+    """DecodingOptions keyword arguments -> the proto message (None: server default)."""
+    unknown = sorted(set(options) - set(_OPTION_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown decoding option(s): {', '.join(unknown)}")
+    message = pb2.DecodingOptions()
+    for name, value in options.items():
+        if value is None:
+            continue  # unset: the server default
+        setattr(message, name, value)
+    return message
+
+
+def translate_request(texts: Sequence[str] | None = None, *, token_ids: Sequence[Sequence[int]]
+                      | None = None, truncate: bool = False, request_id: str = "",
+                      **options: Any) -> Any:
+    if isinstance(texts, str):
+        raise ValueError("texts must be a list of strings, not one string")
+    return pb2.TranslateRequest(
+        texts=list(texts or []),
+        token_ids=[pb2.TokenIds(ids=list(ids)) for ids in token_ids or []],
+        options=options_message(**options), truncate=truncate, request_id=request_id)
+
+
+def encode_request(texts: Sequence[str], pooling: str = "mean", per_token: bool = False,
+                   truncate: bool = False, request_id: str = "") -> Any:
+    if isinstance(texts, str):
+        raise ValueError("texts must be a list of strings, not one string")
+    return pb2.EncodeRequest(texts=list(texts), pooling=pooling, return_hidden_states=per_token,
+                             truncate=truncate, request_id=request_id)
+
+
+def _translation(hypothesis: Any) -> Translation:
+    return Translation(hypothesis.text, list(hypothesis.token_ids), float(hypothesis.score))
+
+
+def _hypotheses(response: Any) -> list[list[Translation]]:
+    return [[_translation(h) for h in t.hypotheses] for t in response.translations]
+
+
+def _encodings(response: Any) -> list[Encoding]:
+    out = []
+    for e in response.embeddings:
+        hidden = np.asarray(e.hidden_states, np.float32).reshape(-1, e.dim)  # [len or 0, D]
+        out.append(Encoding(hidden, np.asarray(e.embedding, np.float32), list(e.token_ids)))
+    return out
+
+
+def _chunk(message: Any) -> StreamChunk:
+    return StreamChunk(
+        index=message.index, text_delta=message.text_delta, token_ids=list(message.token_ids),
+        done=message.done, final=_translation(message.final) if message.done else None,
+        hypotheses=[_translation(h) for h in message.hypotheses],
+        request_id=message.request_id)
+
+
+def _server_error(error: grpc.RpcError) -> ServerError:
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = error.details() if hasattr(error, "details") else str(error)
+    return ServerError(code, details or "")
+
+
+def _channel_options(max_message_bytes: int,
+                     extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
+    """Message size limits plus the caller's channel options, e.g.
+    ("grpc.lb_policy_name", "round_robin") to spread calls over every replica behind a
+    headless Service."""
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes), *extra]
+
+
+class _Base:
+    def __init__(self, target: str, timeout: float | None, token: str | None,
+                 root_certificates: bytes | None, tls: bool) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.metadata: list[tuple[str, str]] = (
+            [("authorization", f"Bearer {token}")] if token else [])
+        self.credentials = (grpc.ssl_channel_credentials(root_certificates)
+                            if tls or root_certificates else None)
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+
+class Client(_Base):
+    """Blocking client; use as a context manager (or call close())."""
+
+    def __init__(self, target: str, timeout: float | None = None, token: str | None = None,
+                 root_certificates: bytes | None = None, tls: bool = False,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
+        super().__init__(target, timeout, token, root_certificates, tls)
+        options = _channel_options(max_message_bytes, options)
+        self.channel = (grpc.secure_channel(target, self.credentials, options)
+                        if self.credentials else grpc.insecure_channel(target, options))
+        self.stub = pb2_grpc.TranslatorStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
+        try:
+            return method(request, timeout=self._timeout(timeout), metadata=self.metadata)
+        except grpc.RpcError as error:
+            raise _server_error(error) from None
+
+    def translate_response(self, texts: Sequence[str] | None = None, *,
+                           timeout: float | None = None, **kwargs: Any) -> Any:
+        """The raw TranslateResponse (kwargs as translate_request: token_ids, truncate, ...)."""
+        return self._call(self.stub.Translate, translate_request(texts, **kwargs), timeout)
+
+    def translate_hypotheses(self, texts: Sequence[str] | None = None, *,
+                             timeout: float | None = None,
+                             **kwargs: Any) -> list[list[Translation]]:
+        """num_return_sequences hypotheses per input, in input order."""
+        return _hypotheses(self.translate_response(texts, timeout=timeout, **kwargs))
+
+    def translate(self, texts: Sequence[str] | None = None, *, timeout: float | None = None,
+                  **kwargs: Any) -> list[str]:
+        """The best translation per input."""
+        return [h[0].text for h in self.translate_hypotheses(texts, timeout=timeout, **kwargs)]
+
+    def translate_stream(self, texts: Sequence[str] | None = None, *,
+                         timeout: float | None = None, **kwargs: Any) -> Iterator[StreamChunk]:
+        """Chunks as the server sends them (inputs interleave; see StreamChunk.index)."""
+        call = self.stub.TranslateStream(translate_request(texts, **kwargs),
+                                         timeout=self._timeout(timeout), metadata=self.metadata)
+        try:
+            for message in call:
+                yield _chunk(message)
+        except grpc.RpcError as error:
+            raise _server_error(error) from None
+        finally:
+            call.cancel()  # no-op when finished; frees the server's rows when we stop early
+
+    def encode(self, texts: Sequence[str], pooling: str = "mean", per_token: bool = False,
+               truncate: bool = False, *, timeout: float | None = None,
+               request_id: str = "") -> list[Encoding]:
+        """Pooled embedding (and, with per_token, hidden states [len,D]) per text."""
+        request = encode_request(texts, pooling, per_token, truncate, request_id)
+        return _encodings(self._call(self.stub.Encode, request, timeout))
+
+    def model_info(self, timeout: float | None = None) -> Any:
+        """The server's ModelInfo message."""
+        return self._call(self.stub.GetModelInfo, pb2.GetModelInfoRequest(), timeout)
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """'SERVING', 'NOT_SERVING', ... for the whole server ("") or a service name."""
+        response = self._call(self.health_stub.Check,
+                              health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+class AsyncClient(_Base):
+    """asyncio client with Client's methods as coroutines; `async with AsyncClient(...)`."""
+
+    def __init__(self, target: str, timeout: float | None = None, token: str | None = None,
+                 root_certificates: bytes | None = None, tls: bool = False,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
+        super().__init__(target, timeout, token, root_certificates, tls)
+        options = _channel_options(max_message_bytes, options)
+        self.channel = (grpc.aio.secure_channel(target, self.credentials, options)
+                        if self.credentials else grpc.aio.insecure_channel(target, options))
+        self.stub = pb2_grpc.TranslatorStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
+        try:
+            return await method(request, timeout=self._timeout(timeout), metadata=self.metadata)
+        except grpc.RpcError as error:
+            raise _server_error(error) from None
+
+    async def translate_response(self, texts: Sequence[str] | None = None, *,
+                                 timeout: float | None = None, **kwargs: Any) -> Any:
+        return await self._call(self.stub.Translate, translate_request(texts, **kwargs), timeout)
+
+    async def translate_hypotheses(self, texts: Sequence[str] | None = None, *,
+                                   timeout: float | None = None,
+                                   **kwargs: Any) -> list[list[Translation]]:
+        return _hypotheses(await self.translate_response(texts, timeout=timeout, **kwargs))
+
+    async def translate(self, texts: Sequence[str] | None = None, *,
+                        timeout: float | None = None, **kwargs: Any) -> list[str]:
+        hypotheses = await self.translate_hypotheses(texts, timeout=timeout, **kwargs)
+        return [h[0].text for h in hypotheses]
+
+    async def translate_stream(self, texts: Sequence[str] | None = None, *,
+                               timeout: float | None = None,
+                               **kwargs: Any) -> AsyncIterator[StreamChunk]:
+        call = self.stub.TranslateStream(translate_request(texts, **kwargs),
+                                         timeout=self._timeout(timeout), metadata=self.metadata)
+        try:
+            async for message in call:
+                yield _chunk(message)
+        except grpc.RpcError as error:
+            raise _server_error(error) from None
+        finally:
+            call.cancel()
+
+    async def encode(self, texts: Sequence[str], pooling: str = "mean", per_token: bool = False,
+                     truncate: bool = False, *, timeout: float | None = None,
+                     request_id: str = "") -> list[Encoding]:
+        request = encode_request(texts, pooling, per_token, truncate, request_id)
+        return _encodings(await self._call(self.stub.Encode, request, timeout))
+
+    async def model_info(self, timeout: float | None = None) -> Any:
+        return await self._call(self.stub.GetModelInfo, pb2.GetModelInfoRequest(), timeout)
+
+    async def health(self, service: str = "", timeout: float | None = None) -> str:
+        response = await self._call(self.health_stub.Check,
+                                    health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

@@ -1,0 +1,183 @@
+"""Model configuration: one dataclass that describes every checkpoint tfserve can hold.
+
+`ModelConfig` round-trips through JSON (it is stored in checkpoints and in the exported
+manifest) and validates itself at construction, so an impossible model is refused with a
+message naming the field instead of failing later inside a matmul.
+
+This module imports nothing heavy: the serving path reads configs without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ACTIVATIONS = ("relu", "gelu", "silu", "swish")
+NORMS = ("post", "pre")
+POSITIONS = ("sinusoidal", "rope", "learned")
+# "interleaved" is the paper's PE[pos, 2i] = sin, PE[pos, 2i+1] = cos;
+# "half" is Marian's [sin(all frequencies) | cos(all frequencies)].
+SINUSOIDAL_LAYOUTS = ("interleaved", "half")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names the field and the limit."""
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of an encoder-decoder Transformer.
+
+    Token ids of the special tokens live here too, because the model needs them (padding,
+    the decoder start token) and so does every consumer of the exported graphs.
+    """
+
+    vocab_size: int
+    d_model: int = 512
+    num_heads: int = 8
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    ffn_dim: int = 2048
+    activation: str = "relu"
+    norm: str = "post"
+    positions: str = "sinusoidal"
+    sinusoidal_layout: str = "interleaved"
+    rope_base: float = 10000.0
+    max_source_positions: int = 512
+    max_target_positions: int = 512
+    scale_embedding: bool = True
+    tie_word_embeddings: bool = True
+    final_logits_bias: bool = False
+    layer_norm_eps: float = 1e-5
+    dropout: float = 0.0
+    attention_bias: bool = True
+    pad_token_id: int = 0
+    eos_token_id: int = 1
+    unk_token_id: int = 2
+    decoder_start_token_id: int = 0
+    name: str = "model"
+    source_language: str = ""
+    target_language: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def embed_scale(self) -> float:
+        return self.d_model**0.5 if self.scale_embedding else 1.0
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first impossible value."""
+
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in (
+            "vocab_size",
+            "d_model",
+            "num_heads",
+            "encoder_layers",
+            "decoder_layers",
+            "ffn_dim",
+            "max_source_positions",
+            "max_target_positions",
+        ):
+            positive(name)
+        if self.d_model % self.num_heads:
+            raise ConfigError(
+                f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.norm not in NORMS:
+            raise ConfigError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.positions not in POSITIONS:
+            raise ConfigError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
+        if self.sinusoidal_layout not in SINUSOIDAL_LAYOUTS:
+            raise ConfigError(
+                f"sinusoidal_layout must be one of {SINUSOIDAL_LAYOUTS}, "
+                f"got {self.sinusoidal_layout!r}"
+            )
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ConfigError(
+                f"positions='rope' needs an even head dim, got d_model/num_heads = {self.head_dim}"
+            )
+        if self.positions == "sinusoidal" and self.d_model % 2:
+            raise ConfigError(f"positions='sinusoidal' needs an even d_model, got {self.d_model}")
+        for name in ("scale_embedding", "tie_word_embeddings", "final_logits_bias",
+                     "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("rope_base", "layer_norm_eps", "dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name} must be a number, got {value!r}")
+        if not self.rope_base > 0:
+            raise ConfigError(f"rope_base must be > 0, got {self.rope_base!r}")
+        if not self.layer_norm_eps > 0:
+            raise ConfigError(f"layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        for name in ("pad_token_id", "eos_token_id", "unk_token_id", "decoder_start_token_id"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not (
+                    0 <= value < self.vocab_size):
+                raise ConfigError(
+                    f"{name} must be an integer in [0, vocab_size={self.vocab_size}), got {value!r}"
+                )
+
+    # -- JSON -----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"model config must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown model config field(s): {', '.join(unknown)}")
+        if "vocab_size" not in data:
+            raise ConfigError("model config is missing the required field vocab_size")
+        try:
+            return cls(**data)
+        except TypeError as exc:  # a wrongly typed value that broke arithmetic in validate()
+            raise ConfigError(f"invalid model config: {exc}") from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"model config is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read model config {path}: {exc.strerror}") from exc
+        try:
+            return cls.from_json(text)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc

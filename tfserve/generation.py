@@ -1,0 +1,603 @@
+"""Search over a step function: greedy, beam search and sampling, written once for every backend.
+
+The search code sees numpy logits and an opaque KV cache; a backend (`tfserve.runtime`'s
+ONNX Runtime sessions, or `tfserve.eager`'s PyTorch model) runs the encoder and one decoder
+step and knows how to select, concatenate and trim cache rows. It imports numpy only.
+
+`DecodeBatch` is the one decoding loop. It holds the rows of many searches at once; between
+two steps finished searches leave and new ones join (continuous batching), which the
+per-row `position_ids` and `self_attention_mask` of the decoder interface make possible:
+a row that joins late has holes (mask 0) where the others have history. Offline `generate`
+is the same loop with every search added up front.
+
+Every search starts from a single row holding the decoder start token; beam search and
+sampling fan out to their beams / samples after the first step, so the first step and the
+cross-attention K/V are never computed per beam.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+DEFAULT_MAX_NEW_TOKENS = 256
+Cache = Any  # a backend's per-layer tensors; the search code never looks inside
+
+
+class Backend(Protocol):
+    """What the search needs from a model: an encoder, one decoder step, cache row ops."""
+
+    vocab_size: int
+    eos_token_id: int
+    pad_token_id: int  # never generated (as Marian's bad_words_ids), unless it is also eos
+    decoder_start_token_id: int
+    max_target_positions: int
+
+    def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[Any, Cache]:
+        """input_ids/attention_mask int64 [B,S] -> (hidden states [B,S,D], cross K/V cache)."""
+
+    def decode(
+        self,
+        input_ids: np.ndarray,
+        position_ids: np.ndarray,
+        self_attention_mask: np.ndarray,
+        encoder_attention_mask: np.ndarray,
+        past: Cache,
+        cross: Cache,
+    ) -> tuple[np.ndarray, Cache]:
+        """One decoder call -> (logits float32 [B,T,V] as numpy, present cache)."""
+
+    def empty_past(self, rows: int) -> Cache:
+        """A self-attention cache of length 0 for `rows` rows."""
+
+    def take_rows(self, cache: Cache, index: np.ndarray) -> Cache:
+        """Rows `index` of every tensor (axis 0): reorder, duplicate or drop rows."""
+
+    def concat_rows(self, caches: Sequence[Cache]) -> Cache:
+        """Rows of several caches stacked (axis 0); their time axes (2) must agree."""
+
+    def pad_time(self, cache: Cache, length: int, left: bool) -> Cache:
+        """Zero-pad the time axis (2) to `length`, on the left or on the right."""
+
+    def slice_time(self, cache: Cache, start: int, stop: int) -> Cache:
+        """Keep positions [start, stop) of the time axis (2)."""
+
+
+# -- options --------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodingOptions:
+    """How to search. Defaults give greedy decoding up to 256 new tokens (or the model's limit).
+
+    max_new_tokens None means min(256, the model's target positions - 1), set by validate().
+    """
+
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    num_return_sequences: int = 1
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0  # 1.0: no nucleus filter
+    seed: int | None = None
+
+    MAX_BEAMS = 16
+
+    def validate(self, max_new_tokens_limit: int | None = None) -> DecodingOptions:
+        """Raise ValueError naming the first option outside its limit.
+
+        Returns the options to use: self, or a copy with max_new_tokens filled in when it is
+        None (the caller's object is never changed, so it can be reused with another model).
+        """
+        if self.max_new_tokens is None:
+            return dataclasses.replace(self, max_new_tokens=min(
+                DEFAULT_MAX_NEW_TOKENS, max_new_tokens_limit or DEFAULT_MAX_NEW_TOKENS)
+            ).validate(max_new_tokens_limit)
+
+        def integer(name: str, low: int, high: int | None = None) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if value < low or (high is not None and value > high):
+                bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+                raise ValueError(f"{name} must be {bound}, got {value}")
+
+        integer("max_new_tokens", 1, max_new_tokens_limit)
+        integer("min_new_tokens", 0, self.max_new_tokens)
+        integer("num_beams", 1, self.MAX_BEAMS)
+        integer("top_k", 0)
+        if self.do_sample:
+            if self.num_beams > 1:
+                raise ValueError("num_beams must be 1 when do_sample is set (no beam sampling)")
+            integer("num_return_sequences", 1, self.MAX_BEAMS)
+        else:
+            integer("num_return_sequences", 1, self.num_beams)
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0
+                and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.length_penalty, (int, float))
+                and math.isfinite(self.length_penalty)):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.seed is not None:
+            integer("seed", 0, 2**63 - 1)
+        return self
+
+
+@dataclass
+class Hypothesis:
+    """One output sequence: token ids (no start token, no eos) and its score.
+
+    Greedy and sampling scores are the sum of the model's log-probabilities of the tokens
+    (eos included when it was produced); beam scores are that sum divided by
+    length ** length_penalty, length counting the eos.
+    """
+
+    token_ids: list[int]
+    score: float
+    finished: bool = True  # False: stopped by max_new_tokens before eos
+
+
+def logsumexp(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log(sum(exp(logits))) of float32 logits [R,V] -> [R].
+
+    log-probabilities are logits - logsumexp[:, None]; searches form them only where needed
+    (greedy: one entry per row), which saves several passes over [R, V] per step.
+    """
+    peak = logits.max(axis=-1)  # [R]
+    shifted = np.subtract(logits, peak[:, None])
+    np.exp(shifted, out=shifted)
+    return peak + np.log(shifted.sum(axis=-1))
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax of float32 logits [R,V]."""
+    return logits - logsumexp(logits)[:, None]
+
+
+# -- searches -------------------------------------------------------------------------------
+
+
+class Search:
+    """The per-sentence search state; subclasses decide tokens from log-probabilities.
+
+    `advance` receives the logits [rows, V] of this search's current rows and their
+    logsumexp [rows] (log-probabilities are logits - logsumexp; banned tokens are -inf in the
+    logits but not in the logsumexp), and returns, for each of its next rows, the parent row
+    and the new token.
+    """
+
+    def __init__(self, options: DecodingOptions, eos_token_id: int, start_token_id: int) -> None:
+        self.options = options
+        self.eos = eos_token_id
+        self.start = start_token_id
+        self.generated = 0  # tokens decided so far, per row
+        self.done = False
+        self.finished: list[Hypothesis] = []
+        self.rows = 1
+        self.last_tokens = np.array([start_token_id], dtype=np.int64)
+        self.streamed: list[int] = []  # tokens appended by the last step, for streaming
+
+    def block_eos(self, logits: np.ndarray) -> np.ndarray:
+        if self.generated < self.options.min_new_tokens:
+            logits = logits.copy()
+            logits[:, self.eos] = -np.inf
+        return logits
+
+    def advance(self, logits: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def results(self) -> list[Hypothesis]:
+        ordered = sorted(self.finished, key=lambda h: -h.score)
+        return ordered[: self.options.num_return_sequences]
+
+
+class GreedySearch(Search):
+    def __init__(self, options: DecodingOptions, eos_token_id: int, start_token_id: int) -> None:
+        super().__init__(options, eos_token_id, start_token_id)
+        self.tokens: list[int] = []
+        self.score = 0.0
+
+    def advance(self, logits: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        row = self.block_eos(logits)[0]
+        token = int(row.argmax())
+        self.score += float(row[token] - lse[0])
+        self.generated += 1
+        if token == self.eos:
+            self.finished.append(Hypothesis(list(self.tokens), self.score))
+            self.done, self.streamed = True, []
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        self.tokens.append(token)
+        self.streamed = [token]
+        if self.generated >= self.options.max_new_tokens:
+            self.finished.append(Hypothesis(list(self.tokens), self.score, finished=False))
+            self.done = True
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.zeros(1, np.int64), np.array([token], np.int64)
+
+
+def filter_logits(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Top-k then nucleus filtering of logits [R,V]; removed entries become -inf.
+
+    Nucleus keeps the smallest set of most likely tokens whose probability reaches top_p
+    (the most likely token is always kept).
+    """
+    logits = logits.copy()
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = np.partition(logits, vocab - top_k, axis=-1)[:, vocab - top_k][:, None]  # [R,1]
+        logits[logits < kth] = -np.inf
+    if top_p < 1.0:
+        order = np.argsort(-logits, axis=-1, kind="stable")  # [R,V] most likely first
+        sorted_logits = np.take_along_axis(logits, order, axis=-1)
+        probs = np.exp(log_softmax(sorted_logits))
+        before = np.cumsum(probs, axis=-1) - probs  # probability mass ahead of each token
+        remove_sorted = before >= top_p
+        remove_sorted[:, 0] = False
+        remove = np.zeros_like(remove_sorted)
+        np.put_along_axis(remove, order, remove_sorted, axis=-1)
+        logits[remove] = -np.inf
+    return logits
+
+
+class SamplingSearch(Search):
+    """num_return_sequences independent samples from the tempered, filtered distribution.
+
+    Each search owns its random generator, seeded from the request, so the same seed gives
+    the same output whatever else shares the batch.
+    """
+
+    def __init__(self, options: DecodingOptions, eos_token_id: int, start_token_id: int) -> None:
+        super().__init__(options, eos_token_id, start_token_id)
+        seed = options.seed if options.seed is not None else int(np.random.SeedSequence().entropy
+                                                                 % 2**63)
+        self.rng = np.random.default_rng(seed)
+        self.samples: list[list[int]] = [[]]
+        self.scores: list[float] = [0.0]
+
+    def advance(self, logits: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        logits = self.block_eos(logits)
+        if self.generated == 0:  # fan the single start row out to the samples
+            count = self.options.num_return_sequences
+            parents = np.zeros(count, np.int64)
+            self.samples = [[] for _ in range(count)]
+            self.scores = [0.0] * count
+        else:
+            parents = np.arange(self.rows, dtype=np.int64)
+        scaled = logits[parents] / self.options.temperature  # banned tokens stay -inf
+        probs = np.exp(log_softmax(filter_logits(scaled, self.options.top_k, self.options.top_p)))
+        self.generated += 1
+        keep_parents, keep_tokens, keep_samples, keep_scores = [], [], [], []
+        for slot, parent in enumerate(parents):
+            # inverse-CDF draw: one uniform per row keeps the stream reproducible
+            cdf = np.cumsum(probs[slot], dtype=np.float64)
+            token = int(min(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"),
+                            len(cdf) - 1))
+            while probs[slot, token] == 0.0:  # never land on a filtered-out token
+                token -= 1
+            score = self.scores[slot] + float(logits[parent, token] - lse[parent])
+            tokens = self.samples[slot]
+            if token == self.eos:
+                self.finished.append(Hypothesis(list(tokens), score))
+            elif self.generated >= self.options.max_new_tokens:
+                self.finished.append(Hypothesis(tokens + [token], score, finished=False))
+            else:
+                keep_parents.append(parent)
+                keep_tokens.append(token)
+                keep_samples.append(tokens + [token])
+                keep_scores.append(score)
+        self.samples, self.scores = keep_samples, keep_scores
+        self.streamed = keep_tokens if self.options.num_return_sequences == 1 else []
+        self.done = not keep_parents
+        return np.array(keep_parents, np.int64), np.array(keep_tokens, np.int64)
+
+    def results(self) -> list[Hypothesis]:
+        return list(self.finished)  # samples in the order they finished; scores are not ranks
+
+
+class BeamSearch(Search):
+    """Beam search keeping num_beams running hypotheses and the best finished ones.
+
+    Each step scores 2 * num_beams candidates so that enough non-eos continuations remain
+    after the eos candidates are set aside. An eos candidate outside the top num_beams is
+    ignored. With early_stopping the search ends as soon as num_beams hypotheses finished;
+    without it, when no running beam can still beat the worst kept hypothesis.
+    """
+
+    def __init__(self, options: DecodingOptions, eos_token_id: int, start_token_id: int) -> None:
+        super().__init__(options, eos_token_id, start_token_id)
+        self.beams: list[list[int]] = [[]]
+        self.beam_scores = np.zeros(1, np.float64)
+
+    def normalized(self, sum_logprobs: float, length: int) -> float:
+        return sum_logprobs / (length**self.options.length_penalty)
+
+    def keep_finished(self, tokens: list[int], sum_logprobs: float, complete: bool) -> None:
+        length = len(tokens) + (1 if complete else 0)
+        self.finished.append(Hypothesis(tokens, self.normalized(sum_logprobs, length), complete))
+        self.finished.sort(key=lambda h: -h.score)
+        del self.finished[self.options.num_beams :]
+
+    def advance(self, logits: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        num_beams = self.options.num_beams
+        logits = self.block_eos(logits)
+        rows, vocab = logits.shape
+        # the best 2K candidates overall are among each row's best 2K tokens: rank those only
+        per_row = min(2 * num_beams, vocab)
+        if per_row < vocab:
+            best = np.argpartition(-logits, per_row - 1, axis=-1)[:, :per_row]  # [rows, 2K]
+        else:
+            best = np.broadcast_to(np.arange(vocab), (rows, vocab))
+        offset = self.beam_scores - lse  # [rows]: beam score minus the row's normaliser
+        scores_2k = (offset[:, None] + np.take_along_axis(logits, best, axis=-1)).ravel()
+        flat_2k = (np.arange(rows)[:, None] * vocab + best).ravel()  # beam * V + token
+        count = min(2 * num_beams, scores_2k.size)
+        top = np.lexsort((flat_2k, -scores_2k))[:count]  # best first, ties by beam then token
+        self.generated += 1
+        parents, tokens, scores = [], [], []
+        for rank, (flat, score) in enumerate(zip(flat_2k[top].tolist(),
+                                                 scores_2k[top].tolist())):
+            beam, token = divmod(flat, vocab)
+            if not math.isfinite(score):
+                break
+            if token == self.eos:
+                if rank < num_beams:
+                    self.keep_finished(list(self.beams[beam]), score, complete=True)
+                continue
+            parents.append(beam)
+            tokens.append(token)
+            scores.append(score)
+            if len(parents) == num_beams:
+                break
+        self.beams = [self.beams[p] + [t] for p, t in zip(parents, tokens)]
+        self.beam_scores = np.array(scores, np.float64)
+        self.done = self.is_done()
+        if not self.done and self.generated >= self.options.max_new_tokens:
+            for beam, score in zip(self.beams, self.beam_scores):
+                self.keep_finished(list(beam), float(score), complete=False)
+            self.done = True
+        if self.done:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.array(parents, np.int64), np.array(tokens, np.int64)
+
+    def is_done(self) -> bool:
+        if not self.beams:
+            return True
+        if len(self.finished) < self.options.num_beams:
+            return False
+        if self.options.early_stopping:
+            return True
+        # heuristic (as Hugging Face's early_stopping=False): the best running beam, scored at
+        # its current length, cannot beat the worst kept hypothesis
+        attainable = self.normalized(float(self.beam_scores.max()), self.generated)
+        return self.finished[-1].score >= attainable
+
+
+def make_search(options: DecodingOptions, eos_token_id: int, start_token_id: int) -> Search:
+    if options.do_sample:
+        return SamplingSearch(options, eos_token_id, start_token_id)
+    if options.num_beams > 1:
+        return BeamSearch(options, eos_token_id, start_token_id)
+    return GreedySearch(options, eos_token_id, start_token_id)
+
+
+# -- the decoding loop ----------------------------------------------------------------------
+
+
+@dataclass
+class _Member:
+    search: Search
+    tag: Any  # the caller's handle (a request, an index)
+    encoder_rows: int = 0  # valid source tokens, for trimming the cross-attention time axis
+
+
+@dataclass
+class DecodeBatch:
+    """Rows of many searches decoded together, one token per step.
+
+    Row bookkeeping (numpy): `position_ids` [R] of the next token, `self_attention_mask`
+    [R,P] over the cache, `encoder_attention_mask` [R,S]; the backend's `past` cache
+    [R,H,P,Dh] and `cross` cache [R,H,S,Dh] per layer. The members' rows are contiguous
+    blocks in member order.
+    """
+
+    backend: Backend
+    members: list[_Member] = field(default_factory=list)
+    past: Cache = None
+    cross: Cache = None
+    self_attention_mask: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    encoder_attention_mask: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    position_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    last_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    steps: int = 0
+
+    @property
+    def rows(self) -> int:
+        return int(self.position_ids.shape[0])
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def add(self, searches: Sequence[Search], tags: Sequence[Any], cross: Cache,
+            encoder_attention_mask: np.ndarray) -> None:
+        """Join new searches (one start row each) with their encoder outputs [N,...]."""
+        count = len(searches)
+        if count == 0:
+            return
+        if count != encoder_attention_mask.shape[0]:
+            raise ValueError("one encoder row per search is required")
+        new_past = self.backend.empty_past(count)
+        new_self_mask = np.zeros((count, 0), np.int64)
+        if self.rows:
+            # the newcomers have no history: holes (mask 0) where the others have a cache
+            past_len = self.self_attention_mask.shape[1]
+            new_past = self.backend.pad_time(new_past, past_len, left=True)
+            new_self_mask = np.zeros((count, past_len), np.int64)
+            src_len = max(self.encoder_attention_mask.shape[1], encoder_attention_mask.shape[1])
+            self.cross = self.backend.pad_time(self.cross, src_len, left=False)
+            cross = self.backend.pad_time(cross, src_len, left=False)
+            self.encoder_attention_mask = _pad_right(self.encoder_attention_mask, src_len)
+            encoder_attention_mask = _pad_right(encoder_attention_mask, src_len)
+            self.past = self.backend.concat_rows([self.past, new_past])
+            self.cross = self.backend.concat_rows([self.cross, cross])
+            self.encoder_attention_mask = np.concatenate(
+                [self.encoder_attention_mask, encoder_attention_mask])
+            self.self_attention_mask = np.concatenate([self.self_attention_mask, new_self_mask])
+        else:
+            self.past, self.cross = new_past, cross
+            self.encoder_attention_mask = encoder_attention_mask.astype(np.int64)
+            self.self_attention_mask = new_self_mask
+        for search, tag, valid in zip(searches, tags, encoder_attention_mask.sum(axis=1)):
+            self.members.append(_Member(search, tag, int(valid)))
+        self.position_ids = np.concatenate([self.position_ids, np.zeros(count, np.int64)])
+        self.last_tokens = np.concatenate(
+            [self.last_tokens, np.array([s.last_tokens[0] for s in searches], np.int64)])
+
+    def remove(self, tags: set[Any]) -> list[Search]:
+        """Drop the members with these tags (cancelled, expired) before the next step."""
+        keep_index, kept, removed, row = [], [], [], 0
+        for member in self.members:
+            rows = range(row, row + member.search.rows)
+            row += member.search.rows
+            if member.tag in tags:
+                removed.append(member.search)
+            else:
+                kept.append(member)
+                keep_index.extend(rows)
+        if removed:
+            self._reorder(np.array(keep_index, np.int64), kept)
+        return removed
+
+    def step(self) -> list[tuple[Any, Search]]:
+        """Run one decoder step for every row; returns the members that finished."""
+        if not self.members:
+            return []
+        logits, present = self.backend.decode(
+            self.last_tokens[:, None],  # [R,1]
+            self.position_ids[:, None],  # [R,1]
+            np.concatenate([self.self_attention_mask, np.ones((self.rows, 1), np.int64)], axis=1),
+            self.encoder_attention_mask,
+            self.past,
+            self.cross,
+        )
+        self.steps += 1
+        self.past = present
+        self.self_attention_mask = np.concatenate(
+            [self.self_attention_mask, np.ones((self.rows, 1), np.int64)], axis=1)  # [R,P+1]
+        # [R,V]; the backend hands over a fresh array, so it is edited in place below
+        logits = logits[:, -1, :].astype(np.float32, copy=False)
+        lse = logsumexp(logits)  # [R]
+        pad = self.backend.pad_token_id
+        if pad != self.backend.eos_token_id:
+            # banned after the normaliser is taken, without renormalising: the scores then
+            # equal Hugging Face's with Marian's bad_words_ids=[[pad]]
+            logits[:, pad] = -np.inf
+
+        gather, tokens, kept, finished, row = [], [], [], [], 0
+        layout = [member.search.rows for member in self.members]
+        for member in self.members:
+            rows = member.search.rows
+            parents, new_tokens = member.search.advance(
+                logits[row : row + rows], lse[row : row + rows])
+            gather.append(parents + row)
+            tokens.append(new_tokens)
+            member.search.rows = len(parents)
+            member.search.last_tokens = new_tokens
+            row += rows
+            if member.search.done:
+                finished.append((member.tag, member.search))
+            else:
+                kept.append(member)
+        index = np.concatenate(gather) if gather else np.zeros(0, np.int64)
+        self.position_ids = self.position_ids + 1
+        # beams only permute within their sentence: every row keeps its source, so the
+        # cross-attention K/V (the same for all rows of a sentence) need no copy
+        same_sources = len(kept) == len(self.members) and layout == [
+            m.search.rows for m in kept]
+        self._reorder(index, kept, same_sources)
+        self.last_tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
+        return finished
+
+    def _reorder(self, index: np.ndarray, members: list[_Member],
+                 same_sources: bool = False) -> None:
+        """Keep rows `index` (in that order) for `members`, trimming dead cache columns.
+
+        same_sources: row i keeps the source it had (only beams of a sentence were permuted).
+        """
+        previous_rows = self.rows
+        self.members = members
+        if not members:
+            self.past = self.cross = None
+            self.self_attention_mask = np.zeros((0, 0), np.int64)
+            self.encoder_attention_mask = np.zeros((0, 0), np.int64)
+            self.position_ids = np.zeros(0, np.int64)
+            self.last_tokens = np.zeros(0, np.int64)
+            return
+        identity = len(index) == previous_rows and bool((index == np.arange(previous_rows)).all())
+        if not identity:
+            self.past = self.backend.take_rows(self.past, index)
+            self.self_attention_mask = self.self_attention_mask[index]
+            if not same_sources:
+                self.cross = self.backend.take_rows(self.cross, index)
+                self.encoder_attention_mask = self.encoder_attention_mask[index]
+            self.position_ids = self.position_ids[index]
+            if len(self.last_tokens) == previous_rows:
+                self.last_tokens = self.last_tokens[index]
+            # columns that every remaining row has as a hole (left) or as padding (right)
+            # are dead weight in every later step: cut them
+            filled = self.self_attention_mask.any(axis=0)
+            first = int(filled.argmax()) if filled.any() else self.self_attention_mask.shape[1]
+            if first > 0:
+                stop = self.self_attention_mask.shape[1]
+                self.past = self.backend.slice_time(self.past, first, stop)
+                self.self_attention_mask = self.self_attention_mask[:, first:]
+            src_len = max(m.encoder_rows for m in members)
+            if src_len < self.encoder_attention_mask.shape[1]:
+                self.cross = self.backend.slice_time(self.cross, 0, src_len)
+                self.encoder_attention_mask = self.encoder_attention_mask[:, :src_len]
+
+
+def _pad_right(mask: np.ndarray, length: int) -> np.ndarray:
+    if mask.shape[1] >= length:
+        return mask
+    return np.pad(mask, ((0, 0), (0, length - mask.shape[1])))
+
+
+def generate(
+    backend: Backend,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    options: DecodingOptions | Sequence[DecodingOptions],
+) -> list[list[Hypothesis]]:
+    """Translate a batch of encoded sources; one ranked hypothesis list per source.
+
+    `options` may be one DecodingOptions for all sources or one per source.
+    """
+    count = input_ids.shape[0]
+    per_source = [options] * count if isinstance(options, DecodingOptions) else list(options)
+    if len(per_source) != count:
+        raise ValueError(f"got {len(per_source)} DecodingOptions for {count} sources")
+    limit = backend.max_target_positions - 1
+    per_source = [opts.validate(max_new_tokens_limit=limit) for opts in per_source]
+    _, cross = backend.encode(input_ids, attention_mask)
+    batch = DecodeBatch(backend)
+    searches = [
+        make_search(opts, backend.eos_token_id, backend.decoder_start_token_id)
+        for opts in per_source
+    ]
+    batch.add(searches, list(range(count)), cross, attention_mask)
+    results: list[list[Hypothesis]] = [[] for _ in range(count)]
+    while len(batch):
+        for tag, search in batch.step():
+            results[tag] = search.results()
+    return results

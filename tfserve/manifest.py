@@ -1,0 +1,134 @@
+"""The artifacts manifest (`model.json`): what `python -m export` writes and the runtime reads.
+
+Layout of an artifacts directory (docs/artifacts.md):
+
+    model.json     this manifest
+    encoder.onnx   input_ids, attention_mask -> encoder_hidden_states, cross_key_l, cross_value_l
+    decoder.onnx   one KV-cached step (docs/graph-interface.md)
+    tokenizer files named by manifest["tokenizer"]
+
+Pure JSON + dataclasses: part of the serving path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tfserve.config import ConfigError, ModelConfig
+from tfserve.tokenizer import TokenizerSpec
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "model.json"
+
+
+class ManifestError(ValueError):
+    """An unreadable or inconsistent artifacts directory; the message names the file."""
+
+
+def encoder_io(layers: int) -> tuple[list[str], list[str]]:
+    outputs = ["encoder_hidden_states"]
+    for layer in range(layers):
+        outputs += [f"cross_key_{layer}", f"cross_value_{layer}"]
+    return ["input_ids", "attention_mask"], outputs
+
+
+def decoder_io(layers: int) -> tuple[list[str], list[str]]:
+    inputs = ["input_ids", "position_ids", "self_attention_mask", "encoder_attention_mask"]
+    for layer in range(layers):
+        inputs += [f"past_key_{layer}", f"past_value_{layer}"]
+    for layer in range(layers):
+        inputs += [f"cross_key_{layer}", f"cross_value_{layer}"]
+    outputs = ["logits"]
+    for layer in range(layers):
+        outputs += [f"present_key_{layer}", f"present_value_{layer}"]
+    return inputs, outputs
+
+
+@dataclass
+class Manifest:
+    config: ModelConfig
+    tokenizer: TokenizerSpec
+    dtype: str = "fp32"  # element type of float inputs/outputs: fp32 or fp16
+    quantization: str | None = None  # "int8": dynamically quantized MatMuls (CPU)
+    opset: int = 17
+    encoder_file: str = "encoder.onnx"
+    decoder_file: str = "decoder.onnx"
+    parity: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        layers = self.config.decoder_layers
+        enc_in, enc_out = encoder_io(layers)
+        dec_in, dec_out = decoder_io(layers)
+        cfg = self.config
+        return {
+            "format_version": self.format_version,
+            "model": cfg.to_dict(),
+            "special_tokens": {
+                "pad": cfg.pad_token_id,
+                "eos": cfg.eos_token_id,
+                "unk": cfg.unk_token_id,
+                "decoder_start": cfg.decoder_start_token_id,
+            },
+            "tokenizer": self.tokenizer.to_dict(),
+            "graphs": {
+                "encoder": {"file": self.encoder_file, "inputs": enc_in, "outputs": enc_out},
+                "decoder": {"file": self.decoder_file, "inputs": dec_in, "outputs": dec_out},
+            },
+            "opset": self.opset,
+            "dtype": self.dtype,
+            "quantization": self.quantization,
+            "parity": self.parity,
+            "provenance": self.provenance,
+        }
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / MANIFEST_FILE
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Manifest:
+        directory = Path(directory)
+        path = directory / MANIFEST_FILE
+        if not directory.is_dir():
+            raise ManifestError(f"artifacts directory not found: {directory}")
+        if not path.is_file():
+            raise ManifestError(f"no {MANIFEST_FILE} in {directory}: export a model with "
+                                "`python -m export --out DIR` first")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ManifestError(f"cannot read {path}: {exc}") from exc
+        try:
+            version = data["format_version"]
+            if version != FORMAT_VERSION:
+                raise ManifestError(f"{path}: format_version {version} is not supported "
+                                    f"(this tfserve reads {FORMAT_VERSION})")
+            manifest = cls(
+                config=ModelConfig.from_dict(data["model"]),
+                tokenizer=TokenizerSpec.from_dict(data["tokenizer"]),
+                dtype=data.get("dtype", "fp32"),
+                quantization=data.get("quantization"),
+                opset=int(data.get("opset", 17)),
+                encoder_file=data["graphs"]["encoder"]["file"],
+                decoder_file=data["graphs"]["decoder"]["file"],
+                parity=data.get("parity", {}),
+                provenance=data.get("provenance", {}),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ManifestError(f"{path} is missing or mistypes field {exc}") from exc
+        except (ConfigError, ValueError) as exc:
+            if isinstance(exc, ManifestError):
+                raise
+            raise ManifestError(f"{path}: {exc}") from exc
+        if manifest.dtype not in ("fp32", "fp16"):
+            raise ManifestError(f"{path}: dtype must be fp32 or fp16, got {manifest.dtype!r}")
+        for name in (manifest.encoder_file, manifest.decoder_file, *manifest.tokenizer.files()):
+            if not (directory / name).is_file():
+                raise ManifestError(f"{path} names {name}, which is missing from {directory}")
+        return manifest

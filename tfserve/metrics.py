@@ -1,0 +1,90 @@
+"""Prometheus metrics of the server and the scheduler (docs/server.md lists them).
+
+Each `Metrics` owns its registry, so several servers (tests) can live in one process, and
+`serve_http` exposes it on its own port. The scheduler updates the model-side metrics from its
+worker thread; prometheus_client's metrics are thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+
+# seconds: from a lone sub-millisecond step up to a long queue wait under overload
+_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                 5.0, 10.0, 30.0)
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Metrics:
+    """Every metric tfserve exports, registered in one private registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("tfserve_requests", "Finished RPCs by method and status code",
+                                ["rpc", "code"], registry=r)
+        self.request_seconds = Histogram("tfserve_request_duration_seconds",
+                                         "RPC wall time, by method", ["rpc"],
+                                         buckets=_TIME_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("tfserve_queue_seconds",
+                                       "Time an input waited before the model took it up",
+                                       buckets=_TIME_BUCKETS, registry=r)
+        self.batch_rows = Histogram("tfserve_decoder_batch_rows",
+                                    "Rows (beams and samples count one each) per decoder step",
+                                    buckets=_ROW_BUCKETS, registry=r)
+        self.encoder_batch_rows = Histogram("tfserve_encoder_batch_rows",
+                                            "Inputs per encoder run", buckets=_ROW_BUCKETS,
+                                            registry=r)
+        self.step_seconds = Histogram("tfserve_decoder_step_seconds",
+                                      "Wall time of one decoder step (model run and search)",
+                                      buckets=_TIME_BUCKETS, registry=r)
+        self.generated_tokens = Counter("tfserve_generated_tokens",
+                                        "Tokens in returned hypotheses (eos excluded)",
+                                        registry=r)
+        self.decoder_steps = Counter("tfserve_decoder_steps", "Decoder steps run", registry=r)
+        self.in_flight = Gauge("tfserve_in_flight_requests", "RPCs being handled", registry=r)
+        self.queue_depth = Gauge("tfserve_queue_depth",
+                                 "Requests with inputs waiting for the model", registry=r)
+        self.freed_rows = Counter("tfserve_freed_rows",
+                                  "Decoder rows dropped early, by reason (cancelled, deadline)",
+                                  ["reason"], registry=r)
+        self.skipped_steps = Counter(
+            "tfserve_skipped_steps",
+            "Decoder steps not run for dropped inputs (max_new_tokens minus steps taken), "
+            "by reason", ["reason"], registry=r)
+        self.model_errors = Counter("tfserve_model_errors",
+                                    "Failed model runs, by stage (encode, step)", ["stage"],
+                                    registry=r)
+        self._http: Any = None
+        self._http_thread: threading.Thread | None = None
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """A sample's current value (0.0 when it was never set), e.g. for tests."""
+        found = self.registry.get_sample_value(name, labels or {})
+        return float(found) if found is not None else 0.0
+
+    def exposition(self) -> bytes:
+        """The text format a scrape would read."""
+        return generate_latest(self.registry)
+
+    def serve_http(self, port: int, host: str = "0.0.0.0") -> int:
+        """Expose /metrics on host:port (0 picks a free port); returns the port."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http, self._http_thread = server, thread
+        return int(server.server_port)
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,497 @@
+"""The encoder-decoder Transformer in PyTorch: the eager reference every other backend matches.
+
+Read top to bottom: positions, attention, feed-forward, layers, stacks, the model, checkpoints.
+
+Shapes use B batch rows, S source length, T new target tokens, P past (cached) length,
+H heads, Dh head dim, D model dim, V vocab, L layers.
+
+The decoder is driven one way only, `decode_step`, which is exactly the exported decoder
+graph's interface (see docs/graph-interface.md): new tokens, their per-row `position_ids`, a
+`self_attention_mask` over past + new keys (0 = a hole), the encoder mask, the self-attention
+cache and the cross-attention K/V. The full-sequence forward is the same call with an empty
+past, so training, incremental decoding and export share one code path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tfserve.config import ModelConfig
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value), each [B,H,len,Dh]
+
+
+class CheckpointError(ValueError):
+    """A missing, corrupt or mismatching checkpoint file; the message names the file."""
+
+
+# -- positions ------------------------------------------------------------------------------
+
+
+def sinusoidal_table(num_positions: int, dim: int, layout: str = "interleaved") -> torch.Tensor:
+    """The paper's table: PE[pos, 2i] = sin(pos / 10000^(2i/dim)), PE[pos, 2i+1] = cos(same).
+
+    `layout="half"` is Marian's variant: [sin of every frequency | cos of every frequency].
+    Computed in float64 so both layouts are exact to fp32 rounding at long positions.
+    """
+    positions = torch.arange(num_positions, dtype=torch.float64)[:, None]  # [N,1]
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # [dim/2]
+    angles = positions * inv_freq[None, :]  # [N, dim/2]
+    table = torch.empty(num_positions, dim, dtype=torch.float64)
+    if layout == "interleaved":
+        table[:, 0::2] = torch.sin(angles)
+        table[:, 1::2] = torch.cos(angles)
+    elif layout == "half":
+        table[:, : dim // 2] = torch.sin(angles)
+        table[:, dim // 2 :] = torch.cos(angles)
+    else:
+        raise ValueError(f"sinusoidal layout must be 'interleaved' or 'half', got {layout!r}")
+    return table.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1 | x2] -> [-x2 | x1] on the last dim (the half-split RoPE layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE: rotates each (i, i + Dh/2) pair of q and k by angle pos * base^(-2i/Dh).
+
+    The rotation is computed from `position_ids` on the fly, so in the exported graph it is a
+    handful of ONNX ops driven by the `position_ids` input and has no length limit.
+    """
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, head_dim: int, base: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [Dh/2]
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = position_ids[..., None].float() * self.inv_freq  # [B,T,Dh/2]
+        angles = torch.cat((angles, angles), dim=-1)  # [B,T,Dh]
+        # [B,1,T,Dh]: one rotation per row and position, shared by every head
+        return angles.cos()[:, None], angles.sin()[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B,H,T,Dh] rotated by the angles in cos/sin [B,1,T,Dh]."""
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+
+
+# -- attention ------------------------------------------------------------------------------
+
+
+def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)  # [B,T,D] -> [B,H,T,Dh]
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2).flatten(2)  # [B,H,T,Dh] -> [B,T,D]
+
+
+def scaled_dot_product(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(Dh), masked) v.
+
+    q [B,H,Tq,Dh], k/v [B,H,Tk,Dh], allowed bool broadcastable to [B,H,Tq,Tk].
+    Masked scores are set to the dtype's minimum rather than -inf: a query whose keys are all
+    masked (a padding row) then gets a uniform distribution instead of NaN.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)  # [B,H,Tq,Tk]
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    return torch.matmul(scores.softmax(dim=-1), v)  # [B,H,Tq,Dh]
+
+
+class MultiHeadAttention(nn.Module):
+    """Separate W_Q, W_K, W_V projections per head group and the output projection W_O.
+
+    W_O mixes the heads' outputs back into one D-dim vector; without it each head would only
+    ever write to its own Dh slice of the residual stream.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, bias: bool) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of x [B,S,D], each [B,H,S,Dh]."""
+        return split_heads(self.k_proj(x), self.num_heads), split_heads(
+            self.v_proj(x), self.num_heads
+        )
+
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Queries from x [B,T,D] against given keys/values; returns [B,T,D]."""
+        q = split_heads(self.q_proj(x), self.num_heads)  # [B,H,T,Dh]
+        if rope is not None:
+            q = apply_rope(q, *rope)
+        return self.out_proj(merge_heads(scaled_dot_product(q, k, v, allowed)))
+
+
+class FeedForward(nn.Module):
+    """act(x W1 + b1) W2 + b2, applied to every position independently."""
+
+    def __init__(self, d_model: int, ffn_dim: int, activation: str) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, d_model)
+        self.act = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swish": F.silu}[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Residual(nn.Module):
+    """Sub-layer with residual connection and LayerNorm, post-norm (paper) or pre-norm."""
+
+    def __init__(self, d_model: int, eps: float, pre_norm: bool, dropout: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model, eps=eps)
+        self.pre_norm = pre_norm
+        self.dropout = nn.Dropout(dropout)
+
+    def normed_input(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) if self.pre_norm else x
+
+    def combine(self, x: torch.Tensor, sublayer_out: torch.Tensor) -> torch.Tensor:
+        out = x + self.dropout(sublayer_out)
+        return out if self.pre_norm else self.norm(out)
+
+
+# -- layers ---------------------------------------------------------------------------------
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        pre = cfg.norm == "pre"
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.num_heads, cfg.attention_bias)
+        self.self_attn_res = Residual(cfg.d_model, cfg.layer_norm_eps, pre, cfg.dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation)
+        self.ffn_res = Residual(cfg.d_model, cfg.layer_norm_eps, pre, cfg.dropout)
+
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        h = self.self_attn_res.normed_input(x)
+        k, v = self.self_attn.project_kv(h)
+        if rope is not None:
+            k = apply_rope(k, *rope)
+        x = self.self_attn_res.combine(x, self.self_attn.attend(h, k, v, allowed, rope))
+        return self.ffn_res.combine(x, self.ffn(self.ffn_res.normed_input(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        pre = cfg.norm == "pre"
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.num_heads, cfg.attention_bias)
+        self.self_attn_res = Residual(cfg.d_model, cfg.layer_norm_eps, pre, cfg.dropout)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.num_heads, cfg.attention_bias)
+        self.cross_attn_res = Residual(cfg.d_model, cfg.layer_norm_eps, pre, cfg.dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation)
+        self.ffn_res = Residual(cfg.d_model, cfg.layer_norm_eps, pre, cfg.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        self_allowed: torch.Tensor,
+        cross_allowed: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor],
+        cross: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        h = self.self_attn_res.normed_input(x)
+        k_new, v_new = self.self_attn.project_kv(h)  # [B,H,T,Dh]
+        if rope is not None:
+            k_new = apply_rope(k_new, *rope)  # cached keys are stored already rotated
+        k = torch.cat((past[0], k_new), dim=2)  # [B,H,P+T,Dh]
+        v = torch.cat((past[1], v_new), dim=2)
+        x = self.self_attn_res.combine(x, self.self_attn.attend(h, k, v, self_allowed, rope))
+        h = self.cross_attn_res.normed_input(x)
+        x = self.cross_attn_res.combine(
+            x, self.cross_attn.attend(h, cross[0], cross[1], cross_allowed)
+        )
+        x = self.ffn_res.combine(x, self.ffn(self.ffn_res.normed_input(x)))
+        return x, (k, v)
+
+
+# -- stacks ---------------------------------------------------------------------------------
+
+
+class Embeddings(nn.Module):
+    """Token embedding * scale + absolute positions (for sinusoidal / learned positions)."""
+
+    def __init__(self, cfg: ModelConfig, tokens: nn.Embedding, max_positions: int) -> None:
+        super().__init__()
+        self.tokens = tokens
+        self.scale = cfg.embed_scale
+        self.kind = cfg.positions
+        if cfg.positions == "sinusoidal":
+            table = sinusoidal_table(max_positions, cfg.d_model, cfg.sinusoidal_layout)
+            # derived from the config, so not stored in checkpoints
+            self.register_buffer("position_table", table, persistent=False)  # [N,D]
+        elif cfg.positions == "learned":
+            self.position_embedding = nn.Embedding(max_positions, cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(input_ids) * self.scale  # [B,T,D]
+        if self.kind == "sinusoidal":
+            x = x + F.embedding(position_ids, self.position_table).to(x.dtype)
+        elif self.kind == "learned":
+            x = x + self.position_embedding(position_ids)
+        return self.dropout(x)
+
+
+class Seq2SeqTransformer(nn.Module):
+    """Encoder-decoder Transformer with an incremental (KV-cached) decoder."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        shared = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_token_id)
+        self.shared = shared
+        self.encoder_embed = Embeddings(cfg, shared, cfg.max_source_positions)
+        self.decoder_embed = Embeddings(cfg, shared, cfg.max_target_positions)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        pre = cfg.norm == "pre"
+        # pre-norm stacks leave the residual stream unnormalised, so each ends with a LayerNorm
+        self.encoder_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if pre else None
+        self.decoder_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if pre else None
+        rope = cfg.positions == "rope"
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_base) if rope else None
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = shared.weight
+        if cfg.final_logits_bias:
+            self.final_logits_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+        else:
+            self.final_logits_bias = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.config.d_model**-0.5
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        nn.init.normal_(self.shared.weight, std=std)
+        if not self.config.tie_word_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=std)
+        with torch.no_grad():
+            self.shared.weight[self.config.pad_token_id].zero_()
+
+    # -- input checks (eager only: they would be data-dependent branches in a traced graph) --
+
+    def _check_ids(self, name: str, ids: torch.Tensor, limit: int) -> None:
+        if torch.jit.is_tracing() or torch.compiler.is_compiling():
+            return
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name} must be an integer tensor, got {ids.dtype}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+            raise ValueError(
+                f"{name} holds ids outside [0, {limit}): min {int(ids.min())}, max {int(ids.max())}"
+            )
+
+    # -- encoder ------------------------------------------------------------------------------
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """input_ids, attention_mask [B,S] (1 token, 0 pad) -> encoder hidden states [B,S,D]."""
+        self._check_ids("input_ids", input_ids, self.config.vocab_size)
+        if not (torch.jit.is_tracing() or torch.compiler.is_compiling()):
+            if input_ids.shape[1] > self.config.max_source_positions:
+                raise ValueError(
+                    f"input_ids length {input_ids.shape[1]} exceeds max_source_positions "
+                    f"{self.config.max_source_positions}"
+                )
+        seq_len = input_ids.shape[1]
+        position_ids = torch.arange(seq_len, device=input_ids.device)[None, :]  # [1,S]
+        position_ids = position_ids.expand_as(input_ids)  # [B,S]
+        x = self.encoder_embed(input_ids, position_ids)
+        allowed = attention_mask[:, None, None, :].bool()  # [B,1,1,S] keys that are tokens
+        rope = self.rope(position_ids) if self.rope is not None else None
+        for layer in self.encoder_layers:
+            x = layer(x, allowed, rope)
+        if self.encoder_norm is not None:
+            x = self.encoder_norm(x)
+        return x
+
+    def cross_kv(self, encoder_hidden_states: torch.Tensor) -> KVCache:
+        """Every decoder layer's cross-attention K/V, computed once per source: [B,H,S,Dh]."""
+        return [layer.cross_attn.project_kv(encoder_hidden_states) for layer in self.decoder_layers]
+
+    # -- decoder ------------------------------------------------------------------------------
+
+    def empty_cache(self, batch: int, device: torch.device | None = None,
+                    dtype: torch.dtype | None = None) -> KVCache:
+        """A P = 0 self-attention cache for the first step."""
+        dtype = dtype or self.shared.weight.dtype
+        shape = (batch, self.config.num_heads, 0, self.config.head_dim)  # [B,H,0,Dh]
+        return [
+            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device,
+                                                                         dtype=dtype))
+            for _ in self.decoder_layers
+        ]
+
+    def decode_step(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        self_attention_mask: torch.Tensor,
+        encoder_attention_mask: torch.Tensor,
+        past: KVCache,
+        cross: KVCache,
+    ) -> tuple[torch.Tensor, KVCache]:
+        """One decoder call over T new tokens; returns logits [B,T,V] and the grown cache.
+
+        input_ids, position_ids [B,T]; self_attention_mask [B,P+T] (0 = a hole: a cache slot
+        this row never filled); encoder_attention_mask [B,S]; past [B,H,P,Dh] per layer;
+        cross [B,H,S,Dh] per layer. New token t sits at key index P + t and may see the keys
+        j <= P + t that its row's mask marks valid (look-ahead + padding masks).
+        """
+        self._check_ids("decoder input_ids", input_ids, self.config.vocab_size)
+        if (self.config.positions != "rope" and not torch.jit.is_tracing()
+                and not torch.compiler.is_compiling() and position_ids.numel()):
+            limit = self.config.max_target_positions
+            if int(position_ids.max()) >= limit or int(position_ids.min()) < 0:
+                raise ValueError(f"position_ids must be in [0, max_target_positions={limit})")
+        new_len = input_ids.shape[1]
+        total_len = self_attention_mask.shape[1]
+        query_pos = torch.arange(new_len, device=input_ids.device) + (total_len - new_len)  # [T]
+        key_pos = torch.arange(total_len, device=input_ids.device)  # [P+T]
+        causal = key_pos[None, :] <= query_pos[:, None]  # [T,P+T]
+        self_allowed = self_attention_mask[:, None, None, :].bool() & causal  # [B,1,T,P+T]
+        cross_allowed = encoder_attention_mask[:, None, None, :].bool()  # [B,1,1,S]
+
+        x = self.decoder_embed(input_ids, position_ids)
+        rope = self.rope(position_ids) if self.rope is not None else None
+        present: KVCache = []
+        for layer, layer_past, layer_cross in zip(self.decoder_layers, past, cross):
+            x, kv = layer(x, self_allowed, cross_allowed, layer_past, layer_cross, rope)
+            present.append(kv)
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        logits = self.lm_head(x)  # [B,T,V]
+        if self.final_logits_bias is not None:
+            logits = logits + self.final_logits_bias
+        return logits, present
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        decoder_input_ids: torch.Tensor,
+        decoder_attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Teacher-forced logits [B,T,V] for right-padded decoder inputs [B,T]."""
+        hidden = self.encode(input_ids, attention_mask)
+        batch, tgt_len = decoder_input_ids.shape
+        if decoder_attention_mask is None:
+            decoder_attention_mask = torch.ones_like(decoder_input_ids)
+        position_ids = torch.arange(tgt_len, device=decoder_input_ids.device).expand(batch, -1)
+        logits, _ = self.decode_step(
+            decoder_input_ids,
+            position_ids,
+            decoder_attention_mask,
+            attention_mask,
+            self.empty_cache(batch, decoder_input_ids.device, hidden.dtype),
+            self.cross_kv(hidden),
+        )
+        return logits
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _stored_state(model: Seq2SeqTransformer) -> dict[str, torch.Tensor]:
+    """State dict without tied aliases (safetensors refuses shared storage)."""
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    # the embedding modules hold the shared table again under their own names
+    for key in list(state):
+        if key.endswith("tokens.weight"):
+            state.pop(key)
+    return {k: v.detach().contiguous() for k, v in state.items()}
+
+
+def save_checkpoint(model: Seq2SeqTransformer, directory: str | Path) -> Path:
+    """Write config.json + model.safetensors into directory (created if needed)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save(directory / CONFIG_FILE)
+    save_file(_stored_state(model), str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    return directory
+
+
+def load_state(model: Seq2SeqTransformer, path: str | Path) -> None:
+    """Load safetensors weights into model, checking every name and shape first."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"weights file not found: {path}")
+    try:
+        stored = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read weights file {path}: {exc}") from exc
+    expected = _stored_state(model)
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path} does not match the config: missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''}"
+        )
+    for name, tensor in expected.items():
+        if stored[name].shape != tensor.shape:
+            raise CheckpointError(
+                f"{path}: tensor {name} has shape {tuple(stored[name].shape)}, "
+                f"the config needs {tuple(tensor.shape)}"
+            )
+    # strict=False only because the tied aliases were left out of the file on purpose
+    model.load_state_dict({k: stored[k].to(t.dtype) for k, t in expected.items()}, strict=False)
+
+
+def load_checkpoint(directory: str | Path,
+                    device: str | torch.device = "cpu") -> Seq2SeqTransformer:
+    """Build the model from directory/config.json and load directory/model.safetensors."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {directory}")
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"checkpoint config not found: {config_path}")
+    try:
+        cfg = ModelConfig.load(config_path)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from exc
+    model = Seq2SeqTransformer(cfg)
+    load_state(model, directory / WEIGHTS_FILE)
+    return model.to(device).eval()
+

@@ -1,0 +1,268 @@
+"""ONNX Runtime sessions over an artifacts directory: the serving backend of the search.
+
+Imports numpy and onnxruntime only (never torch), so the serving image carries no PyTorch.
+
+`Runtime` loads model.json, the two graphs and the tokenizer, creates one session per graph
+on the requested device (`cpu`, `cuda`, `cuda:N`) with the given session options, and
+implements `tfserve.generation.Backend`: encode, one decoder step, and the cache row
+operations the continuous-batching loop needs.
+
+On CPU the cache is a list of numpy arrays [k_0, v_0, k_1, v_1, ...], each [B,H,P,Dh].
+On CUDA (or with device_cache=True) each step is run with IO binding: the cross and present
+K/V stay in device memory as OrtValues and are bound as the next step's inputs, so a step moves
+only token ids, masks and logits between host and device; row operations (beam reorder, rows
+joining or leaving) run on the device too (tfserve.cache_ops).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from tfserve.manifest import Manifest, decoder_io, encoder_io
+from tfserve.tokenizer import Tokenizer
+
+OPTIMIZATION_LEVELS = {
+    "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    """'cpu' | 'cuda' | 'cuda:N' -> (kind, index); ValueError naming the field otherwise."""
+    text = device.strip().lower()
+    if text == "cpu":
+        return "cpu", 0
+    if text == "cuda":
+        return "cuda", 0
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return "cuda", int(text[5:])
+    raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+def make_session(
+    path: str | Path,
+    device: str = "cpu",
+    intra_op_threads: int = 0,
+    inter_op_threads: int = 0,
+    optimization: str = "all",
+) -> ort.InferenceSession:
+    """One InferenceSession with explicit threads and optimization level.
+
+    0 threads lets ONNX Runtime choose (one per physical core).
+    """
+    kind, index = parse_device(device)
+    if optimization not in OPTIMIZATION_LEVELS:
+        raise ValueError(f"optimization must be one of {sorted(OPTIMIZATION_LEVELS)}, "
+                         f"got {optimization!r}")
+    for name, value in (("intra_op_threads", intra_op_threads),
+                        ("inter_op_threads", inter_op_threads)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = OPTIMIZATION_LEVELS[optimization]
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = inter_op_threads
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3
+    if kind == "cuda":
+        available = ort.get_available_providers()
+        if "CUDAExecutionProvider" not in available:
+            raise RuntimeError(
+                "device 'cuda' needs onnxruntime-gpu with the CUDA execution provider; "
+                f"this onnxruntime offers {available} (pip install 'tfserve[gpu]')"
+            )
+        providers: list[Any] = [("CUDAExecutionProvider", {"device_id": index}),
+                                "CPUExecutionProvider"]
+    else:
+        providers = ["CPUExecutionProvider"]
+    session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    if kind == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
+        # onnxruntime falls back to CPU with only a warning when CUDA/cuDNN or the driver is
+        # missing: a server asked for a GPU must not quietly serve from the CPU
+        raise RuntimeError("device 'cuda': ONNX Runtime could not create the CUDA execution "
+                           "provider (CUDA/cuDNN libraries matching onnxruntime-gpu, a driver "
+                           f"and a visible GPU are needed); the session got "
+                           f"{session.get_providers()}")
+    return session
+
+
+class Runtime:
+    """An exported model on ONNX Runtime; implements `generation.Backend`."""
+
+    def __init__(
+        self,
+        artifacts_dir: str | Path,
+        device: str = "cpu",
+        intra_op_threads: int = 0,
+        inter_op_threads: int = 0,
+        optimization: str = "all",
+        device_cache: bool | None = None,
+    ) -> None:
+        """device_cache: keep the KV cache as OrtValues on the device (default: on CUDA)."""
+        self.directory = Path(artifacts_dir)
+        self.manifest = Manifest.load(self.directory)
+        self.config = cfg = self.manifest.config
+        self.tokenizer = Tokenizer(self.directory, self.manifest.tokenizer)
+        self.device = device
+        self.device_kind, self.device_index = parse_device(device)
+        session_args = dict(device=device, intra_op_threads=intra_op_threads,
+                            inter_op_threads=inter_op_threads, optimization=optimization)
+        self.encoder = make_session(self.directory / self.manifest.encoder_file, **session_args)
+        self.decoder = make_session(self.directory / self.manifest.decoder_file, **session_args)
+        self.float_dtype = np.float16 if self.manifest.dtype == "fp16" else np.float32
+        self.encoder_inputs, self.encoder_outputs = encoder_io(cfg.decoder_layers)
+        self.decoder_inputs, self.decoder_outputs = decoder_io(cfg.decoder_layers)
+        self.layers = cfg.decoder_layers
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_id = cfg.eos_token_id
+        self.pad_token_id = cfg.pad_token_id
+        self.decoder_start_token_id = cfg.decoder_start_token_id
+        self.max_target_positions = cfg.max_target_positions
+        self.max_source_positions = cfg.max_source_positions
+        self.device_cache = self.device_kind == "cuda" if device_cache is None else device_cache
+        self.cache_ops = None
+        if self.device_cache:
+            from tfserve.cache_ops import DeviceCacheOps
+
+            self.cache_ops = DeviceCacheOps(2 * self.layers, self.float_dtype, self.device_kind,
+                                            self.device_index, self.decoder.get_providers())
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "providers": self.decoder.get_providers(),
+            "intra_op_threads": self.decoder.get_session_options().intra_op_num_threads,
+            "dtype": self.manifest.dtype,
+            "quantization": self.manifest.quantization,
+        }
+
+    # -- encoder ----------------------------------------------------------------------------
+
+    def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray,
+                                                                                 list[Any]]:
+        """-> encoder hidden states [B,S,D] (numpy) and cross K/V [k_0, v_0, ...] [B,H,S,Dh]."""
+        feeds = {"input_ids": _int64(input_ids), "attention_mask": _int64(attention_mask)}
+        if self.device_cache:
+            binding = self.encoder.io_binding()
+            for name, value in feeds.items():
+                binding.bind_cpu_input(name, value)
+            binding.bind_output("encoder_hidden_states", "cpu")
+            for name in self.encoder_outputs[1:]:
+                binding.bind_output(name, self.device_kind, self.device_index)
+            self.encoder.run_with_iobinding(binding)
+            outputs = binding.get_outputs()
+            return outputs[0].numpy(), list(outputs[1:])
+        hidden, *cross = self.encoder.run(self.encoder_outputs, feeds)
+        return hidden, cross
+
+    def hidden_states(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """Encoder hidden states [B,S,D] as float32 (for embeddings: no cross K/V fetched)."""
+        hidden = self.encoder.run(["encoder_hidden_states"], {
+            "input_ids": _int64(input_ids), "attention_mask": _int64(attention_mask)})[0]
+        return hidden.astype(np.float32, copy=False)
+
+    # -- decoder ----------------------------------------------------------------------------
+
+    def decode(
+        self,
+        input_ids: np.ndarray,
+        position_ids: np.ndarray,
+        self_attention_mask: np.ndarray,
+        encoder_attention_mask: np.ndarray,
+        past: list[Any],
+        cross: list[Any],
+    ) -> tuple[np.ndarray, list[Any]]:
+        """One step -> logits float32 [B,T,V] and the present cache [k_0, v_0, ...]."""
+        small = {
+            "input_ids": _int64(input_ids),
+            "position_ids": _int64(position_ids),
+            "self_attention_mask": _int64(self_attention_mask),
+            "encoder_attention_mask": _int64(encoder_attention_mask),
+        }
+        past_names = self.decoder_inputs[4 : 4 + 2 * self.layers]
+        cross_names = self.decoder_inputs[4 + 2 * self.layers :]
+        if self.device_cache:
+            binding = self.decoder.io_binding()
+            for name, value in small.items():
+                binding.bind_cpu_input(name, value)
+            for name, value in zip(past_names + cross_names, list(past) + list(cross)):
+                binding.bind_ortvalue_input(name, self._device_value(value))
+            binding.bind_output("logits", "cpu")
+            for name in self.decoder_outputs[1:]:
+                binding.bind_output(name, self.device_kind, self.device_index)
+            self.decoder.run_with_iobinding(binding)
+            outputs = binding.get_outputs()
+            return outputs[0].numpy().astype(np.float32, copy=False), list(outputs[1:])
+        feeds = dict(small)
+        feeds.update(zip(past_names, past))
+        feeds.update(zip(cross_names, cross))
+        logits, *present = self.decoder.run(self.decoder_outputs, feeds)
+        return logits.astype(np.float32, copy=False), present
+
+    # -- cache rows (generation.Backend) ----------------------------------------------------
+    # numpy arrays on the host; OrtValues on the device with device_cache (tfserve.cache_ops)
+
+    def _device_value(self, value: Any) -> ort.OrtValue:
+        if isinstance(value, ort.OrtValue):
+            return value
+        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self.device_kind,
+                                                self.device_index)
+
+    def _device(self, cache: Sequence[Any]) -> list[ort.OrtValue]:
+        return [self._device_value(v) for v in cache]
+
+    def empty_past(self, rows: int) -> list[Any]:
+        shape = (rows, self.config.num_heads, 0, self.config.head_dim)  # [B,H,0,Dh]
+        empty = [np.zeros(shape, self.float_dtype) for _ in range(2 * self.layers)]
+        return self._device(empty) if self.cache_ops else empty
+
+    def take_rows(self, cache: Sequence[Any], index: np.ndarray) -> list[Any]:
+        if self.cache_ops:
+            return self.cache_ops.take(self._device(cache), index)
+        return [t[index] for t in cache]  # fancy indexing: a bit faster than np.take
+
+    def concat_rows(self, caches: Sequence[Sequence[Any]]) -> list[Any]:
+        if self.cache_ops:
+            joined = self._device(caches[0])
+            for other in caches[1:]:
+                joined = self.cache_ops.concat(joined, self._device(other))
+            return joined
+        return [np.concatenate([c[i] for c in caches], axis=0) for i in range(len(caches[0]))]
+
+    def pad_time(self, cache: Sequence[Any], length: int, left: bool) -> list[Any]:
+        if self.cache_ops:
+            cache = self._device(cache)
+            extra = length - cache[0].shape()[2]
+            return self.cache_ops.pad_time(cache, extra, left) if extra > 0 else cache
+        out = []
+        for t in cache:
+            extra = length - t.shape[2]
+            if extra > 0:
+                t = np.pad(t, ((0, 0), (0, 0), (extra, 0) if left else (0, extra), (0, 0)))
+            out.append(t)
+        return out
+
+    def slice_time(self, cache: Sequence[Any], start: int, stop: int) -> list[Any]:
+        if self.cache_ops:
+            return self.cache_ops.slice_time(self._device(cache), start, stop)
+        return [np.ascontiguousarray(t[:, :, start:stop]) for t in cache]
+
+
+def _int64(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def default_threads() -> int:
+    """Intra-op threads when none are given: the cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,615 @@
+"""The request scheduler: dynamic batching of encoder work, continuous batching of decoding.
+
+Requests are split into per-input work items. One worker thread owns the model (ONNX Runtime
+is only ever called from it) and runs this loop:
+
+    take queued items            (FIFO; rows reserved <= max_batch_size)
+    -> encode them               (length-sorted batches under max_batch_size / max_batch_tokens)
+    -> join the DecodeBatch      (generation.DecodeBatch.add)
+    -> drop rows of cancelled, expired and failed requests (DecodeBatch.remove)
+    -> one decoder step          (DecodeBatch.step) -> stream tokens, resolve finished requests
+    -> repeat; sleep on a condition when there is nothing to do
+
+so a request that arrives while others are decoding joins at the next step instead of waiting
+for the running batch to finish, and the rows a finished or cancelled request frees are reused
+at once. Encode requests (sentence embeddings) go through the same worker, batched the same way.
+
+A beam search or multi-sample search starts as one row and fans out after its first step, so
+admission reserves its largest row count (max(num_beams, num_return_sequences)) up front: the
+running batch never grows past max_batch_size.
+
+Results are delivered through a `concurrent.futures.Future` per request (`Job.future`); the
+gRPC server awaits it with `asyncio.wrap_future`, which hands the result to the event loop with
+`call_soon_threadsafe`. Streaming callbacks run on the worker thread and must only hand off.
+This module knows nothing about gRPC: errors are the exception classes below, which the server
+maps to status codes in one place.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tfserve.generation import Backend, DecodeBatch, DecodingOptions, Hypothesis, make_search
+from tfserve.metrics import Metrics
+from tfserve.translator import POOLINGS, encoder_hidden_states, pool
+
+log = logging.getLogger("tfserve.scheduler")
+
+
+# -- errors (the server maps each to one gRPC status) ---------------------------------------
+
+
+class SchedulerError(Exception):
+    """Base of the errors a request can end with."""
+
+
+class QueueFull(SchedulerError):
+    """Too many requests are waiting (RESOURCE_EXHAUSTED)."""
+
+
+class Unavailable(SchedulerError):
+    """The scheduler is shutting down (UNAVAILABLE)."""
+
+
+class DeadlineExceeded(SchedulerError):
+    """The request's deadline passed while it was queued or decoding (DEADLINE_EXCEEDED)."""
+
+
+class Cancelled(SchedulerError):
+    """The caller cancelled the request (CANCELLED)."""
+
+
+class ModelError(SchedulerError):
+    """A model run failed for the batch this request was in (INTERNAL)."""
+
+
+# -- configuration, results -----------------------------------------------------------------
+
+
+@dataclass
+class SchedulerConfig:
+    """Batching limits. See docs/server.md for the matching server flags."""
+
+    max_batch_size: int = 32  # rows in the running decoder batch; inputs per encoder run
+    max_batch_tokens: int = 8192  # padded source tokens per encoder run
+    max_wait_ms: float = 2.0  # how long an idle worker waits for a batch to fill
+    max_queue: int = 256  # requests with inputs not yet taken up by the model
+
+    def validate(self) -> SchedulerConfig:
+        for name in ("max_batch_size", "max_batch_tokens", "max_queue"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.max_wait_ms >= 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms!r}")
+        return self
+
+
+@dataclass
+class StreamEvent:
+    """Tokens decided for input `index` by the last step; `hypotheses` set when it finished."""
+
+    index: int
+    token_ids: list[int]
+    hypotheses: list[Hypothesis] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.hypotheses is not None
+
+
+@dataclass
+class Encoded:
+    """Encode result of one input: pooled embedding [D], hidden states [len,D] on request."""
+
+    token_ids: list[int]
+    embedding: np.ndarray
+    hidden_states: np.ndarray | None
+
+
+@dataclass
+class SchedulerStats:
+    """Plain counters of the worker, readable without Prometheus (tests, logs)."""
+
+    steps: int = 0
+    encoder_runs: int = 0
+    rows_stepped: int = 0
+    model_errors: int = 0
+    freed_rows: dict[str, int] = field(default_factory=dict)  # by reason
+    skipped_steps: dict[str, int] = field(default_factory=dict)  # by reason
+
+
+# -- jobs and items -------------------------------------------------------------------------
+
+_job_ids = itertools.count()
+
+
+class Job:
+    """One request: its inputs' work items, their results, and how it ended.
+
+    `future` resolves to a list with one entry per input, in input order: a list of
+    Hypothesis (translate) or an Encoded (encode); or fails with a SchedulerError.
+    """
+
+    def __init__(self, kind: str, options: DecodingOptions | None, deadline: float | None,
+                 on_event: Callable[[StreamEvent], None] | None = None,
+                 pooling: str = "mean", return_hidden_states: bool = False) -> None:
+        self.id = next(_job_ids)
+        self.kind = kind
+        self.options = options
+        self.deadline = deadline  # time.monotonic() seconds, or None
+        self.on_event = on_event
+        self.pooling = pooling
+        self.return_hidden_states = return_hidden_states
+        self.future: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
+        self.submitted = time.monotonic()
+        self.queue_seconds = 0.0  # longest wait of one of its inputs before the model
+        self.generated_tokens = 0
+        self.cancel_reason: str | None = None
+        self.results: list[Any] = []
+        self.remaining = 0  # inputs without a result yet
+        self.unadmitted = 0  # inputs still in the queue
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Give up on the request (client gone, deadline): its rows leave before the next step.
+
+        Safe from any thread; the worker notices before its next step.
+        """
+        if self.done:
+            return
+        self.cancel_reason = reason
+        error = DeadlineExceeded("deadline exceeded") if reason == "deadline" else Cancelled(
+            "request cancelled")
+        self._fail(error)
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        return self.future.result(timeout)
+
+    def _resolve(self) -> None:
+        try:
+            self.future.set_result(self.results)
+        except concurrent.futures.InvalidStateError:  # cancelled meanwhile
+            pass
+
+    def _fail(self, error: BaseException) -> None:
+        try:
+            self.future.set_exception(error)
+        except concurrent.futures.InvalidStateError:  # already resolved, failed or cancelled
+            pass
+
+
+@dataclass(eq=False)  # identity hashing: items are DecodeBatch tags
+class _Item:
+    job: Job
+    index: int
+    source: list[int]
+    max_rows: int = 1  # rows this input may occupy in the decoder batch
+
+    def finished_reason(self, now: float) -> str | None:
+        """Why this item should stop now (None: keep going); fails an expired job."""
+        job = self.job
+        if not job.done and job.expired(now):
+            job.cancel("deadline")
+        if not job.done:
+            return None
+        if job.future.cancelled():
+            return "cancelled"
+        return job.cancel_reason or "failed"
+
+
+# -- the scheduler --------------------------------------------------------------------------
+
+
+class Scheduler:
+    """Queue + worker thread over one Backend. Thread-safe `submit_*`; `start` / `stop`.
+
+    `test_hook(stage)`, when set, is called on the worker before every model run with stage
+    "encode", "embed" or "step"; raising from it simulates a failed run, sleeping in it slows
+    the model down (tests).
+    """
+
+    def __init__(self, backend: Backend, config: SchedulerConfig | None = None,
+                 metrics: Metrics | None = None) -> None:
+        self.backend = backend
+        self.config = (config or SchedulerConfig()).validate()
+        self.metrics = metrics or Metrics()
+        self.stats = SchedulerStats()
+        self.test_hook: Callable[[str], None] | None = None
+        self.max_new_tokens_limit = backend.max_target_positions - 1
+        self._cond = threading.Condition()  # guards the queues and the flags below
+        self._translate_queue: deque[_Item] = deque()
+        self._encode_queue: deque[_Item] = deque()
+        self._queued_jobs = 0
+        self._accepting = True
+        self._stopping = False
+        self._batch = DecodeBatch(backend)
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> Scheduler:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tfserve-worker", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Refuse new requests (Unavailable); queued and running ones go on."""
+        with self._cond:
+            self._accepting = False
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the worker; requests still queued or decoding fail with Unavailable."""
+        with self._cond:
+            self._accepting = False
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def __enter__(self) -> Scheduler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and nothing decoding."""
+        with self._cond:
+            return not (self._translate_queue or self._encode_queue or len(self._batch))
+
+    # -- submitting -------------------------------------------------------------------------
+
+    def submit_translate(self, sources: Sequence[Sequence[int]], options: DecodingOptions,
+                         deadline: float | None = None,
+                         on_event: Callable[[StreamEvent], None] | None = None) -> Job:
+        """Queue token-id sources (each ending with eos) for translation with `options`.
+
+        Raises ValueError for options outside their limits, QueueFull, Unavailable.
+        `on_event` (called on the worker thread) receives the tokens of every step for
+        single-hypothesis searches and one final event per input.
+        """
+        options = options.validate(max_new_tokens_limit=self.max_new_tokens_limit)
+        max_rows = max(options.num_beams, options.num_return_sequences)
+        if max_rows > self.config.max_batch_size:
+            field_name = "num_beams" if options.num_beams >= max_rows else "num_return_sequences"
+            raise ValueError(f"{field_name} is {max_rows}, over the server's max batch size of "
+                             f"{self.config.max_batch_size}")
+        job = Job("translate", options, deadline, on_event)
+        items = [_Item(job, index, list(source), max_rows) for index, source in enumerate(sources)]
+        self._enqueue(job, items, self._translate_queue)
+        return job
+
+    def submit_encode(self, sources: Sequence[Sequence[int]], pooling: str = "mean",
+                      return_hidden_states: bool = False,
+                      deadline: float | None = None) -> Job:
+        """Queue token-id sources for the encoder; results are `Encoded`, in input order."""
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        job = Job("encode", None, deadline, pooling=pooling,
+                  return_hidden_states=return_hidden_states)
+        items = [_Item(job, index, list(source)) for index, source in enumerate(sources)]
+        self._enqueue(job, items, self._encode_queue)
+        return job
+
+    def translate(self, sources: Sequence[Sequence[int]], options: DecodingOptions,
+                  timeout: float | None = None) -> list[list[Hypothesis]]:
+        """Blocking convenience: submit and wait."""
+        return self.submit_translate(sources, options).result(timeout)
+
+    def _enqueue(self, job: Job, items: list[_Item], queue: deque[_Item]) -> None:
+        if not items:
+            raise ValueError("texts must not be empty")
+        for item in items:
+            if not item.source:
+                raise ValueError(f"texts[{item.index}] is empty")
+        job.results = [None] * len(items)
+        job.remaining = job.unadmitted = len(items)
+        with self._cond:
+            if not self._accepting:
+                raise Unavailable("the server is shutting down")
+            if self._queued_jobs >= self.config.max_queue:
+                raise QueueFull(f"the request queue is full ({self.config.max_queue} requests "
+                                "waiting); retry later")
+            self._queued_jobs += 1
+            self.metrics.queue_depth.set(self._queued_jobs)
+            queue.extend(items)
+            self._cond.notify_all()
+
+    # -- the worker -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            # rows of cancelled / expired requests leave first, so admission can reuse them
+            self._drop_finished_rows()
+            with self._cond:
+                while True:
+                    if self._stopping:
+                        self._shutdown()
+                        return
+                    if len(self._batch):
+                        break  # decoding never waits: new items join between steps
+                    if self._translate_queue or self._encode_queue:
+                        wait = self._batching_wait()
+                        if wait <= 0:
+                            break
+                        self._cond.wait(wait)
+                    else:
+                        self._cond.wait()
+                translate_items, encode_items = self._take()
+            try:
+                self._iteration(translate_items, encode_items)
+            except Exception as exc:  # a bug, not a model failure: keep the worker alive
+                log.exception("scheduler iteration failed")
+                self._fail_batch("iteration", exc,
+                                 {item.job for item in translate_items + encode_items})
+
+    def _batching_wait(self) -> float:
+        """Seconds to wait for more work before starting an idle batch (<= 0: start now).
+
+        A lone request waits at most max_wait_ms after it arrived; a queue that already fills
+        a batch does not wait at all.
+        """
+        queued = sum(item.max_rows for item in self._translate_queue) + len(self._encode_queue)
+        if queued >= self.config.max_batch_size:
+            return 0.0
+        oldest = min(queue[0].job.submitted for queue in (self._translate_queue,
+                                                           self._encode_queue) if queue)
+        return oldest + self.config.max_wait_ms / 1000.0 - time.monotonic()
+
+    def _take(self) -> tuple[list[_Item], list[_Item]]:
+        """Under the lock: drop dead queued items, take what fits into the next iteration."""
+        now = time.monotonic()
+        for queue in (self._translate_queue, self._encode_queue):
+            if any(item.job.done or item.job.expired(now) for item in queue):
+                kept = []
+                for item in queue:
+                    reason = item.finished_reason(now)
+                    if reason is None:
+                        kept.append(item)
+                    else:  # never decoded: every step it would have taken is saved
+                        options = item.job.options
+                        self._count_dropped(reason, 0, options.max_new_tokens or 0
+                                            if options is not None else 0)
+                        self._admitted(item, now)
+                queue.clear()
+                queue.extend(kept)
+        encode_items = []
+        while self._encode_queue and len(encode_items) < self.config.max_batch_size:
+            encode_items.append(self._encode_queue.popleft())
+        translate_items = []
+        reserved = sum(member.tag.max_rows for member in self._batch.members)
+        # FIFO without overtaking: a wide beam search at the head waits for rows to free up
+        # rather than being starved by a stream of greedy requests behind it
+        while (self._translate_queue
+               and reserved + self._translate_queue[0].max_rows <= self.config.max_batch_size):
+            item = self._translate_queue.popleft()
+            reserved += item.max_rows
+            translate_items.append(item)
+        for item in encode_items + translate_items:
+            self._admitted(item, now)
+        return translate_items, encode_items
+
+    def _admitted(self, item: _Item, now: float) -> None:
+        """Bookkeeping when an item leaves the queue (under the lock)."""
+        job = item.job
+        job.queue_seconds = max(job.queue_seconds, now - job.submitted)
+        job.unadmitted -= 1
+        if job.unadmitted == 0:
+            self._queued_jobs -= 1
+            self.metrics.queue_depth.set(self._queued_jobs)
+        if not job.done:
+            self.metrics.queue_seconds.observe(now - job.submitted)
+
+    def _iteration(self, translate_items: list[_Item], encode_items: list[_Item]) -> None:
+        if encode_items:
+            self._run_encode(encode_items)
+        if translate_items:
+            self._admit(translate_items)
+        self._drop_finished_rows()
+        if len(self._batch):
+            self._step()
+
+    def _chunks(self, items: list[_Item]) -> list[list[_Item]]:
+        """Length-sorted encoder batches within max_batch_size rows and max_batch_tokens."""
+        chunks: list[list[_Item]] = []
+        current: list[_Item] = []
+        for item in sorted(items, key=lambda it: len(it.source)):
+            # sorted ascending, so the newcomer sets the padded width of the chunk
+            width = len(item.source)
+            if current and (len(current) >= self.config.max_batch_size
+                            or (len(current) + 1) * width > self.config.max_batch_tokens):
+                chunks.append(current)
+                current = []
+            current.append(item)
+        if current:
+            chunks.append(current)
+        return chunks
+
+    def _pad(self, items: list[_Item]) -> tuple[np.ndarray, np.ndarray]:
+        """Right-padded input_ids and attention_mask, int64 [B,S]."""
+        width = max(len(item.source) for item in items)
+        input_ids = np.full((len(items), width), self.backend.pad_token_id, np.int64)
+        attention_mask = np.zeros((len(items), width), np.int64)
+        for row, item in enumerate(items):
+            input_ids[row, : len(item.source)] = item.source
+            attention_mask[row, : len(item.source)] = 1
+        return input_ids, attention_mask
+
+    def _model_call(self, stage: str) -> None:
+        if self.test_hook is not None:
+            self.test_hook(stage)
+
+    def _run_encode(self, items: list[_Item]) -> None:
+        now = time.monotonic()
+        live = [item for item in items if item.finished_reason(now) is None]
+        for chunk in self._chunks(live):
+            input_ids, attention_mask = self._pad(chunk)
+            try:
+                self._model_call("embed")
+                hidden = encoder_hidden_states(self.backend, input_ids, attention_mask)
+            except Exception as exc:
+                self._model_failed("embed", exc, {item.job for item in chunk})
+                continue
+            self.stats.encoder_runs += 1
+            self.metrics.encoder_batch_rows.observe(len(chunk))
+            for row, item in enumerate(chunk):
+                length = len(item.source)
+                job = item.job
+                # pool one row at a time: rows of a chunk may come from requests with
+                # different pooling
+                embedding = pool(hidden[row : row + 1], attention_mask[row : row + 1],
+                                 job.pooling)[0]
+                states = hidden[row, :length].copy() if job.return_hidden_states else None
+                self._item_done(item, Encoded(item.source, embedding, states))
+
+    def _admit(self, items: list[_Item]) -> None:
+        """Encode new translate items and join them to the running decoder batch."""
+        now = time.monotonic()
+        live = [item for item in items if item.finished_reason(now) is None]
+        backend = self.backend
+        for chunk in self._chunks(live):
+            input_ids, attention_mask = self._pad(chunk)
+            try:
+                self._model_call("encode")
+                _, cross = backend.encode(input_ids, attention_mask)
+            except Exception as exc:  # only this chunk's requests fail
+                self._model_failed("encode", exc, {item.job for item in chunk})
+                continue
+            self.stats.encoder_runs += 1
+            self.metrics.encoder_batch_rows.observe(len(chunk))
+            searches = []
+            for item in chunk:
+                assert item.job.options is not None
+                searches.append(make_search(item.job.options, backend.eos_token_id,
+                                            backend.decoder_start_token_id))
+            try:
+                self._batch.add(searches, chunk, cross, attention_mask)
+            except Exception as exc:  # the batch may be half-joined: start over
+                self._fail_batch("encode", exc, {item.job for item in chunk})
+
+    def _drop_finished_rows(self) -> None:
+        """Remove the rows of cancelled, expired and failed requests before the next step."""
+        now = time.monotonic()
+        reasons: dict[_Item, str] = {}
+        for member in self._batch.members:
+            reason = member.tag.finished_reason(now)
+            if reason is not None:
+                reasons[member.tag] = reason
+        if not reasons:
+            return
+        removed_rows = {member.tag: member.search.rows for member in self._batch.members
+                        if member.tag in reasons}
+        removed = self._batch.remove(set(reasons))  # in member order, as removed_rows
+        if not len(self._batch):
+            # DecodeBatch.remove of every member leaves its last_tokens behind, which the next
+            # add() would prepend to the newcomers' start tokens: start from a fresh batch
+            self._batch = DecodeBatch(self.backend)
+        for search, item in zip(removed, list(removed_rows), strict=True):
+            assert search.options.max_new_tokens is not None
+            skipped = max(search.options.max_new_tokens - search.generated, 0)
+            self._count_dropped(reasons[item], removed_rows[item], skipped)
+
+    def _count_dropped(self, reason: str, rows: int, skipped_steps: int) -> None:
+        stats = self.stats
+        stats.freed_rows[reason] = stats.freed_rows.get(reason, 0) + rows
+        stats.skipped_steps[reason] = stats.skipped_steps.get(reason, 0) + skipped_steps
+        if rows:
+            self.metrics.freed_rows.labels(reason).inc(rows)
+        if skipped_steps:
+            self.metrics.skipped_steps.labels(reason).inc(skipped_steps)
+
+    def _step(self) -> None:
+        batch = self._batch
+        members = list(batch.members)
+        rows = batch.rows
+        started = time.perf_counter()
+        try:
+            self._model_call("step")
+            finished = batch.step()
+        except Exception as exc:
+            self._fail_batch("step", exc)
+            return
+        elapsed = time.perf_counter() - started
+        self.stats.steps += 1
+        self.stats.rows_stepped += rows
+        self.metrics.decoder_steps.inc()
+        self.metrics.batch_rows.observe(rows)
+        self.metrics.step_seconds.observe(elapsed)
+        done = {id(item): search for item, search in finished}
+        for member in members:
+            item = member.tag
+            search = done.get(id(item))
+            if item.job.on_event is not None and not item.job.done:
+                streamed = [int(t) for t in member.search.streamed]
+                hypotheses = search.results() if search is not None else None
+                if streamed or hypotheses is not None:
+                    self._emit(item, StreamEvent(item.index, streamed, hypotheses))
+            if search is not None:
+                self._item_done(item, search.results())
+
+    def _emit(self, item: _Item, event: StreamEvent) -> None:
+        assert item.job.on_event is not None
+        try:
+            item.job.on_event(event)
+        except Exception:  # a broken consumer must not take the worker down
+            log.exception("stream callback failed")
+            item.job.cancel()
+
+    def _item_done(self, item: _Item, result: Any) -> None:
+        job = item.job
+        if job.done:
+            return
+        job.results[item.index] = result
+        if isinstance(result, list):
+            job.generated_tokens += sum(len(h.token_ids) for h in result)
+            self.metrics.generated_tokens.inc(sum(len(h.token_ids) for h in result))
+        job.remaining -= 1
+        if job.remaining == 0:
+            job._resolve()
+
+    def _model_failed(self, stage: str, exc: BaseException, jobs: set[Job]) -> None:
+        log.error("model run failed (%s) for %d request(s): %s", stage, len(jobs), exc,
+                  exc_info=exc)
+        self.stats.model_errors += 1
+        self.metrics.model_errors.labels(stage).inc()
+        for job in jobs:
+            job._fail(ModelError(f"model run failed ({stage}): {exc}"))
+
+    def _fail_batch(self, stage: str, exc: BaseException, extra: set[Job] | None = None) -> None:
+        """Fail every request decoding now (and `extra`), and start from an empty batch."""
+        jobs = {member.tag.job for member in self._batch.members} | (extra or set())
+        self._model_failed(stage, exc, jobs)
+        self._batch = DecodeBatch(self.backend)
+
+    def _shutdown(self) -> None:
+        """Under the lock, on stop: fail whatever is left."""
+        error = Unavailable("the server is shutting down")
+        for queue in (self._translate_queue, self._encode_queue):
+            for item in queue:
+                item.job._fail(error)
+            queue.clear()
+        for member in self._batch.members:
+            member.tag.job._fail(error)
+        self._batch = DecodeBatch(self.backend)
+        self._queued_jobs = 0
+        self.metrics.queue_depth.set(0)

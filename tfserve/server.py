@@ -1,0 +1,732 @@
+"""The gRPC server: `python -m tfserve serve --model DIR --port 50051` (docs/server.md).
+
+Three layers that never reach past each other:
+
+    TranslatorService  (transport: protobuf in/out, input checks, statuses)   this module
+    -> Scheduler       (queue, dynamic + continuous batching, worker thread)  tfserve.scheduler
+    -> Runtime         (ONNX Runtime sessions)                                tfserve.runtime
+
+grpc.aio runs every RPC on one event loop; the model only ever runs on the scheduler's worker
+thread, and results come back through futures. Around every RPC, one helper (`_Call`) checks
+that the server is still serving, echoes the request id, counts the RPC in the metrics, writes
+one access-log line, and turns exceptions into statuses (`status_for`).
+
+Shutdown (SIGTERM / SIGINT): health goes NOT_SERVING, new RPCs get UNAVAILABLE, RPCs in flight
+finish within --grace-seconds, then the server stops and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tfserve.generation import DecodingOptions, Hypothesis
+from tfserve.metrics import Metrics
+from tfserve.proto import load as load_stubs
+from tfserve.scheduler import (
+    Cancelled,
+    DeadlineExceeded,
+    Job,
+    ModelError,
+    QueueFull,
+    Scheduler,
+    StreamEvent,
+    Unavailable,
+)
+from tfserve.settings import ServerConfig, env_name, parse_config  # noqa: F401 (re-exported)
+from tfserve.translator import POOLINGS, check_texts, tokenize_sources
+from tfserve.version import __version__
+
+pb2, pb2_grpc = load_stubs()
+SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["Translator"].full_name  # tfserve.v1.Translator
+REQUEST_ID_KEY = "x-request-id"
+EXIT_USAGE = 2
+
+log = logging.getLogger("tfserve.server")
+access_log = logging.getLogger("tfserve.access")
+
+
+# -- errors -> statuses ---------------------------------------------------------------------
+
+
+class InvalidArgument(ValueError):
+    """Bad input; the message starts with the field path."""
+
+
+@contextmanager
+def field_errors(prefix: str = "") -> Any:
+    """Turn the ValueErrors of the shared input checks into InvalidArgument, field-prefixed."""
+    try:
+        yield
+    except InvalidArgument:
+        raise
+    except ValueError as exc:
+        raise InvalidArgument(f"{prefix}{exc}") from exc
+
+
+class Draining(Unavailable):
+    """The server is shutting down."""
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The one place that maps an exception to a gRPC status and its details."""
+    if isinstance(exc, InvalidArgument):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, Unavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, DeadlineExceeded):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, (Cancelled, asyncio.CancelledError)):
+        return grpc.StatusCode.CANCELLED, str(exc) or "request cancelled"
+    if isinstance(exc, ModelError):
+        return grpc.StatusCode.INTERNAL, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+# -- per-call bookkeeping -------------------------------------------------------------------
+
+
+class _Call:
+    """One RPC: request id, deadline, in-flight count, metrics, access log, error status."""
+
+    def __init__(self, server: TranslatorServer, rpc: str, request: Any,
+                 context: grpc.aio.ServicerContext) -> None:
+        self.server = server
+        self.rpc = rpc
+        self.context = context
+        self.started = time.perf_counter()
+        self.job: Job | None = None
+        self.texts = 0
+        metadata = dict(context.invocation_metadata() or ())
+        self.request_id = (getattr(request, "request_id", "") or metadata.get(REQUEST_ID_KEY)
+                           or uuid.uuid4().hex)
+        remaining = context.time_remaining()
+        # None (or, in some grpc versions, a huge value) when the client set no deadline
+        self.deadline = (time.monotonic() + remaining
+                         if remaining is not None and remaining < 1e8 else None)
+
+    async def begin(self) -> None:
+        self.server._call_started()
+        await self.context.send_initial_metadata(((REQUEST_ID_KEY, self.request_id),))
+        if self.server.draining:
+            raise Draining("the server is shutting down; retry on another replica")
+
+    async def wait(self, job: Job) -> list[Any]:
+        """The job's results; when the RPC is cancelled, the job is cancelled with it."""
+        self.job = job
+        # shield: a cancelled RPC must not cancel the job's future itself (wrap_future would),
+        # so that fail() can record why (deadline or cancelled) with job.cancel(reason)
+        result = asyncio.wrap_future(job.future)
+        # after a cancellation nobody awaits it: mark its exception as seen to keep logs clean
+        result.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return await asyncio.shield(result)
+
+    def expired(self) -> bool:
+        """Whether the client's deadline has passed (grpc cancels the RPC right at it)."""
+        if self.deadline is None:
+            return False
+        remaining = self.context.time_remaining()
+        # our deadline was taken a moment after grpc's own: allow for the difference
+        return (remaining is not None and remaining <= 0.0) or (
+            time.monotonic() >= self.deadline - 0.05)
+
+    async def fail(self, exc: BaseException) -> NoReturn:
+        """Record the failure, then abort with its status (or re-raise a cancellation)."""
+        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            # the client went away or its deadline passed: free the rows before the next step
+            reason = "deadline" if self.expired() else "cancelled"
+            if self.job is not None:
+                self.job.cancel(reason)
+            code = (grpc.StatusCode.DEADLINE_EXCEEDED if reason == "deadline"
+                    else grpc.StatusCode.CANCELLED)
+            self.finish(code, reason)
+            raise exc
+        code, details = status_for(exc)
+        if code == grpc.StatusCode.INTERNAL and not isinstance(exc, ModelError):
+            log.error("%s %s failed", self.rpc, self.request_id, exc_info=exc)
+        if self.job is not None:
+            self.job.cancel()  # a failure outside the scheduler: stop its work too
+        self.finish(code, details)
+        await self.context.abort(code, details)
+        raise AssertionError("unreachable: abort raises")
+
+    def finish(self, code: grpc.StatusCode, details: str = "") -> None:
+        elapsed = time.perf_counter() - self.started
+        metrics = self.server.metrics
+        metrics.requests.labels(self.rpc, code.name).inc()
+        metrics.request_seconds.labels(self.rpc).observe(elapsed)
+        self.server._call_finished()
+        record: dict[str, Any] = {
+            "request_id": self.request_id,
+            "rpc": self.rpc,
+            "status": code.name,
+            "texts": self.texts,
+            "tokens": self.job.generated_tokens if self.job else 0,
+            "queue_ms": round(self.job.queue_seconds * 1000, 3) if self.job else 0.0,
+            "total_ms": round(elapsed * 1000, 3),
+            "peer": self.context.peer(),
+        }
+        if details and code != grpc.StatusCode.OK:
+            record["error"] = details
+        access_log.info("request", extra={"fields": record})
+
+
+Handler = Callable[..., Awaitable[Any]]
+
+
+def unary(rpc: str) -> Callable[[Handler], Handler]:
+    """Wrap a unary servicer method `(self, request, context, call) -> response`."""
+
+    def wrap(method: Handler) -> Handler:
+        async def handler(self: TranslatorService, request: Any,
+                          context: grpc.aio.ServicerContext) -> Any:
+            call = _Call(self.server, rpc, request, context)
+            try:
+                await call.begin()
+                response = await method(self, request, context, call)
+            except BaseException as exc:
+                await call.fail(exc)
+            call.finish(grpc.StatusCode.OK)
+            return response
+
+        handler.__name__ = method.__name__
+        return handler
+
+    return wrap
+
+
+def streaming(rpc: str) -> Callable[[Callable[..., AsyncIterator[Any]]],
+                                    Callable[..., AsyncIterator[Any]]]:
+    """Wrap a server-streaming servicer method (an async generator) the same way."""
+
+    def wrap(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+        async def handler(self: TranslatorService, request: Any,
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            call = _Call(self.server, rpc, request, context)
+            try:
+                await call.begin()
+                async for chunk in method(self, request, context, call):
+                    yield chunk
+            except BaseException as exc:
+                await call.fail(exc)
+            call.finish(grpc.StatusCode.OK)
+
+        handler.__name__ = method.__name__
+        return handler
+
+    return wrap
+
+
+# -- request parsing ------------------------------------------------------------------------
+
+
+def decoding_options_from_proto(message: Any, default_max_new_tokens: int) -> DecodingOptions:
+    """proto DecodingOptions -> generation.DecodingOptions (zero / unset: server default)."""
+    return DecodingOptions(
+        max_new_tokens=message.max_new_tokens or default_max_new_tokens or None,
+        min_new_tokens=message.min_new_tokens,
+        num_beams=message.num_beams or 1,
+        length_penalty=(message.length_penalty if message.HasField("length_penalty") else 1.0),
+        early_stopping=message.early_stopping,
+        num_return_sequences=message.num_return_sequences or 1,
+        do_sample=message.do_sample,
+        temperature=message.temperature if message.HasField("temperature") else 1.0,
+        top_k=message.top_k,
+        top_p=message.top_p if message.HasField("top_p") else 1.0,
+        seed=message.seed if message.HasField("seed") else None,
+    )
+
+
+class _TextDelta:
+    """Turns the tokens of one streamed input into text deltas that add up to its final text.
+
+    SentencePiece text is decoded from the whole token prefix each time (a piece's leading
+    '▁' becomes a space only after another piece), and a trailing U+FFFD (a byte-fallback
+    character not yet complete) is held back until the next token completes it.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.tokens: list[int] = []
+        self.text = ""
+
+    def push(self, token_ids: list[int]) -> str:
+        self.tokens.extend(token_ids)
+        full = self.decode(self.tokens)
+        if full.endswith("\ufffd") or not full.startswith(self.text):
+            return ""
+        delta, self.text = full[len(self.text):], full
+        return delta
+
+    def finish(self, final: Hypothesis, final_text: str) -> tuple[list[int], str]:
+        """(token ids not sent yet, the rest of the text) for the last chunk."""
+        sent = len(self.tokens)
+        new_tokens = (final.token_ids[sent:] if final.token_ids[:sent] == self.tokens
+                      else list(final.token_ids))
+        if not final_text.startswith(self.text):  # never seen; the deltas would not add up
+            log.warning("streamed text %r is not a prefix of the final %r", self.text,
+                        final_text)
+            return new_tokens, final_text
+        return new_tokens, final_text[len(self.text):]
+
+
+# -- the service ----------------------------------------------------------------------------
+
+
+class TranslatorService(pb2_grpc.TranslatorServicer):
+    """tfserve.v1.Translator over a Scheduler; see proto/tfserve/v1/translator.proto."""
+
+    def __init__(self, server: TranslatorServer) -> None:
+        self.server = server
+        self.runtime = server.runtime
+        self.tokenizer = server.runtime.tokenizer
+        self.config = server.config
+        self.scheduler = server.scheduler
+        self.max_source_tokens = int(server.runtime.max_source_positions)
+        self.vocab_size = int(server.runtime.vocab_size)
+
+    # -- input ------------------------------------------------------------------------------
+
+    def _sources(self, request: Any, call: _Call) -> list[list[int]]:
+        """Token ids per input from texts or token_ids, with the shared checks."""
+        limit = self.config.max_texts_per_request
+        if len(request.texts) and len(request.token_ids):
+            raise InvalidArgument("texts and token_ids are mutually exclusive: give one")
+        if len(request.token_ids):
+            call.texts = len(request.token_ids)
+            return self._token_sources(request.token_ids, request.truncate, limit)
+        call.texts = len(request.texts)
+        with field_errors():
+            texts = check_texts(list(request.texts), max_texts=limit)
+            return tokenize_sources(self.tokenizer, texts, self.max_source_tokens,
+                                    request.truncate)
+
+    def _token_sources(self, sequences: Sequence[Any], truncate: bool,
+                       limit: int) -> list[list[int]]:
+        if len(sequences) > limit:
+            raise InvalidArgument(f"token_ids holds {len(sequences)} items, over the limit of "
+                                  f"{limit}")
+        eos = self.tokenizer.eos_id
+        sources = []
+        for index, sequence in enumerate(sequences):
+            ids = [int(i) for i in sequence.ids]
+            if not ids:
+                raise InvalidArgument(f"token_ids[{index}] is empty")
+            for position, token in enumerate(ids):
+                if not 0 <= token < self.vocab_size:
+                    raise InvalidArgument(f"token_ids[{index}].ids[{position}] is {token}, "
+                                          f"outside the vocabulary [0, {self.vocab_size})")
+            if ids[-1] != eos:
+                ids.append(eos)
+            if len(ids) > self.max_source_tokens:
+                if not truncate:
+                    raise InvalidArgument(
+                        f"token_ids[{index}] is {len(ids)} tokens, over the limit of "
+                        f"{self.max_source_tokens} source tokens (truncate=true cuts it)")
+                ids = ids[: self.max_source_tokens - 1] + [eos]
+            sources.append(ids)
+        return sources
+
+    def _options(self, message: Any) -> DecodingOptions:
+        with field_errors("options."):
+            options = decoding_options_from_proto(message, self.config.default_max_new_tokens)
+            return options.validate(max_new_tokens_limit=self.scheduler.max_new_tokens_limit)
+
+    def _submit_translate(self, request: Any, call: _Call,
+                          on_event: Callable[[StreamEvent], None] | None = None) -> Job:
+        sources = self._sources(request, call)
+        options = self._options(request.options)
+        with field_errors("options."):
+            return self.scheduler.submit_translate(sources, options, deadline=call.deadline,
+                                                   on_event=on_event)
+
+    def _hypothesis(self, hypothesis: Hypothesis, text: str | None = None) -> Any:
+        if text is None:
+            text = self.tokenizer.decode(hypothesis.token_ids)
+        return pb2.Hypothesis(text=text, token_ids=hypothesis.token_ids,
+                              score=hypothesis.score)
+
+    # -- rpcs -------------------------------------------------------------------------------
+
+    @unary("Translate")
+    async def Translate(self, request: Any, context: grpc.aio.ServicerContext,
+                        call: _Call) -> Any:
+        results = await call.wait(self._submit_translate(request, call))
+        return pb2.TranslateResponse(
+            request_id=call.request_id,
+            translations=[pb2.Translation(hypotheses=[self._hypothesis(h) for h in hyps])
+                          for hyps in results])
+
+    @streaming("TranslateStream")
+    async def TranslateStream(self, request: Any, context: grpc.aio.ServicerContext,
+                              call: _Call) -> AsyncIterator[Any]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
+
+        def on_event(event: StreamEvent) -> None:  # worker thread: hand off only
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        job = self._submit_translate(request, call, on_event)
+        call.job = job
+        # the job's end (success or failure) arrives after its last event: both go through
+        # call_soon_threadsafe from the worker thread, which keeps their order
+        job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
+        deltas: dict[int, _TextDelta] = {}
+        while True:
+            event = await events.get()
+            if event is None:
+                break
+            delta = deltas.setdefault(event.index, _TextDelta(self.tokenizer.decode))
+            if not event.done:
+                yield pb2.TranslateStreamResponse(index=event.index, request_id=call.request_id,
+                                                  text_delta=delta.push(event.token_ids),
+                                                  token_ids=event.token_ids)
+                continue
+            assert event.hypotheses is not None
+            head = delta.push(event.token_ids)  # the last step's token, when it was not eos
+            best = event.hypotheses[0]
+            best_text = self.tokenizer.decode(best.token_ids)
+            new_tokens, rest = delta.finish(best, best_text)
+            chunk = pb2.TranslateStreamResponse(
+                index=event.index, request_id=call.request_id, done=True,
+                text_delta=head + rest, token_ids=event.token_ids + new_tokens,
+                final=self._hypothesis(best, best_text))
+            if len(event.hypotheses) > 1:
+                chunk.hypotheses.extend(self._hypothesis(h) for h in event.hypotheses)
+            yield chunk
+        await call.wait(job)  # raises the job's error, if it failed
+
+    @unary("Encode")
+    async def Encode(self, request: Any, context: grpc.aio.ServicerContext, call: _Call) -> Any:
+        call.texts = len(request.texts)
+        pooling = request.pooling or "mean"
+        if pooling not in POOLINGS:
+            raise InvalidArgument(f"pooling must be one of {', '.join(POOLINGS)}, "
+                                  f"got {pooling!r}")
+        with field_errors():
+            texts = check_texts(list(request.texts), max_texts=self.config.max_texts_per_request)
+            sources = tokenize_sources(self.tokenizer, texts, self.max_source_tokens,
+                                       request.truncate)
+            job = self.scheduler.submit_encode(sources, pooling, request.return_hidden_states,
+                                               deadline=call.deadline)
+        results = await call.wait(job)
+        embeddings = []
+        for encoded in results:
+            message = pb2.Embedding(embedding=encoded.embedding.tolist(),
+                                    num_tokens=len(encoded.token_ids),
+                                    dim=int(encoded.embedding.shape[-1]),
+                                    token_ids=encoded.token_ids)
+            if encoded.hidden_states is not None:
+                message.hidden_states.extend(encoded.hidden_states.ravel().tolist())  # [len*D]
+            embeddings.append(message)
+        return pb2.EncodeResponse(embeddings=embeddings, request_id=call.request_id)
+
+    @unary("GetModelInfo")
+    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext,
+                           call: _Call) -> Any:
+        return self.server.model_info()
+
+
+# -- auth -----------------------------------------------------------------------------------
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED unless `authorization: Bearer <token>` matches; health is exempt."""
+
+    EXEMPT_PREFIX = "/grpc.health.v1.Health/"
+
+    def __init__(self, token: str) -> None:
+        self.expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(self.EXEMPT_PREFIX):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        given = metadata.get("authorization", "")
+        given_bytes = given.encode() if isinstance(given, str) else bytes(given)
+        if hmac.compare_digest(given_bytes, self.expected):
+            return handler
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or wrong bearer token in `authorization` metadata")
+
+        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await deny(request, context)
+            yield  # an async generator, as the stream handler it replaces
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                deny, handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                deny_stream, handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                deny, handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(
+            deny_stream, handler.request_deserializer, handler.response_serializer)
+
+
+# -- the server -----------------------------------------------------------------------------
+
+
+class TranslatorServer:
+    """Model + scheduler + grpc.aio server + health + reflection + metrics endpoint.
+
+    `await start()` binds and serves; `await drain()` is the SIGTERM path. `runtime` is any
+    object with Runtime's interface (Backend + .tokenizer, .config, .manifest).
+    """
+
+    def __init__(self, config: ServerConfig, runtime: Any | None = None,
+                 metrics: Metrics | None = None) -> None:
+        self.config = config.validate()
+        if runtime is None:
+            runtime = load_runtime(config)
+        self.runtime = runtime
+        limit = runtime.max_target_positions - 1
+        if config.default_max_new_tokens > limit:
+            raise ValueError(f"--default-max-new-tokens {config.default_max_new_tokens} is over "
+                             f"the model's limit of {limit} new tokens")
+        self.metrics = metrics or Metrics()
+        self.scheduler = Scheduler(runtime, config.scheduler_config(), self.metrics)
+        self.health = health.aio.HealthServicer()
+        self.draining = False
+        self.in_flight = 0
+        self.port = 0
+        self.metrics_port = 0
+        self._server: grpc.aio.Server | None = None
+        self._idle: asyncio.Event | None = None
+
+    # in-flight accounting (event-loop thread only)
+    def _call_started(self) -> None:
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+        if self._idle is not None:
+            self._idle.clear()
+
+    def _call_finished(self) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.dec()
+        if self.in_flight == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def start(self) -> None:
+        config = self.config
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.scheduler.start()
+        options = [
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            # a second server on a busy port must fail, not silently share it
+            ("grpc.so_reuseport", 0),
+        ]
+        interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+        server = grpc.aio.server(options=options, interceptors=interceptors)
+        pb2_grpc.add_TranslatorServicer_to_server(TranslatorService(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        address = f"[{config.host}]:{config.port}" if ":" in config.host else (
+            f"{config.host}:{config.port}")
+        if config.tls_cert is not None and config.tls_key is not None:
+            credentials = grpc.ssl_server_credentials(
+                [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+            self.port = server.add_secure_port(address, credentials)
+        else:
+            self.port = server.add_insecure_port(address)
+        if self.port == 0:
+            raise RuntimeError(f"cannot listen on {address}")
+        await server.start()
+        self._server = server
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if config.metrics_port:
+            self.metrics_port = self.metrics.serve_http(config.metrics_port, config.host)
+        log.info("serving", extra={"fields": {
+            "event": "serving", "host": config.host, "port": self.port,
+            "metrics_port": self.metrics_port, "model": self.runtime.config.name,
+            "tls": config.tls_cert is not None, "auth": bool(config.auth_token),
+            **self.runtime.describe()}})
+
+    async def drain(self, grace: float | None = None) -> None:
+        """NOT_SERVING, reject new RPCs, let those in flight finish within grace, stop."""
+        grace = self.config.grace_seconds if grace is None else grace
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        self.draining = True
+        self.scheduler.close()
+        await self.health.enter_graceful_shutdown()
+        log.info("draining", extra={"fields": {"event": "draining", "in_flight": self.in_flight,
+                                               "grace_seconds": grace}})
+        assert self._idle is not None
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=grace)
+        except asyncio.TimeoutError:
+            log.warning("grace period over with %d request(s) in flight", self.in_flight)
+        if self._server is not None:
+            # what is left are health watches and reflection streams, or RPCs past the grace
+            await self._server.stop(min(max(deadline - loop.time(), 0.0), 1.0))
+        await asyncio.to_thread(self.scheduler.stop)  # joins the worker: off the loop
+        self.metrics.close()
+        log.info("stopped", extra={"fields": {"event": "stopped"}})
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    def model_info(self) -> Any:
+        runtime, config = self.runtime, self.runtime.config
+        manifest = runtime.manifest
+        parity = dict(manifest.parity or {})
+        describe = runtime.describe()
+        return pb2.ModelInfo(
+            model_name=config.name,
+            source_language=config.source_language,
+            target_language=config.target_language,
+            max_source_tokens=config.max_source_positions,
+            max_target_tokens=config.max_target_positions,
+            vocab_size=config.vocab_size,
+            d_model=config.d_model,
+            encoder_layers=config.encoder_layers,
+            decoder_layers=config.decoder_layers,
+            num_heads=config.num_heads,
+            positions=config.positions,
+            dtype=manifest.dtype,
+            quantization=manifest.quantization or "",
+            limits=pb2.Limits(
+                max_texts_per_request=self.config.max_texts_per_request,
+                max_batch_size=self.config.max_batch_size,
+                max_batch_tokens=self.config.max_batch_tokens,
+                max_queue=self.config.max_queue,
+                max_message_bytes=self.config.max_message_bytes,
+                default_max_new_tokens=(self.config.default_max_new_tokens
+                                        or DecodingOptions().validate(
+                                            self.scheduler.max_new_tokens_limit).max_new_tokens),
+                max_beams=DecodingOptions.MAX_BEAMS,
+            ),
+            device=describe.get("device", self.config.device),
+            providers=describe.get("providers", []),
+            tfserve_version=__version__,
+            parity=pb2.ParitySummary(
+                passed=bool(parity.get("passed", False)),
+                max_abs_logits_diff=float(parity.get("max_abs_diff", {}).get("max_logits", 0.0)),
+                greedy_agreement=float(parity.get("greedy", {}).get("agreement", 0.0)),
+                precision=str(parity.get("precision", "")),
+                device=str(parity.get("device", "")),
+                report_json=json.dumps(parity, sort_keys=True),
+            ),
+        )
+
+
+def load_runtime(config: ServerConfig) -> Any:
+    from tfserve.runtime import Runtime
+
+    model = config.model
+    if model is None:
+        from tfserve.demo import default_artifacts
+
+        model = default_artifacts()
+    return Runtime(model, device=config.device, intra_op_threads=config.threads)
+
+
+# -- logging --------------------------------------------------------------------------------
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg and the record's `fields`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        extra = " ".join(f"{k}={v}" for k, v in getattr(record, "fields", {}).items())
+        line = f"{self.formatTime(record)} {record.levelname.lower()} {record.name} " \
+               f"{record.getMessage()}"
+        line = f"{line} {extra}" if extra else line
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup_logging(log_format: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    root = logging.getLogger("tfserve")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+# -- entry point ----------------------------------------------------------------------------
+
+
+async def serve(config: ServerConfig, runtime: Any | None = None) -> int:
+    """Run until SIGTERM / SIGINT, then drain; returns the exit code."""
+    server = TranslatorServer(config, runtime)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    drain = asyncio.ensure_future(server.drain())
+    # a second signal during the drain stops at once
+    stop.clear()
+    forced = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
+    if not drain.done():
+        log.warning("second signal: stopping without waiting for requests in flight")
+        drain.cancel()
+        if server._server is not None:
+            await server._server.stop(0)
+        server.scheduler.stop()
+    forced.cancel()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m tfserve serve ...`; returns the exit code."""
+    config = parse_config(argv)
+    setup_logging(config.log_format, config.log_level)
+    try:
+        runtime = load_runtime(config)
+        return asyncio.run(serve(config, runtime))
+    except (ValueError, RuntimeError, OSError) as exc:
+        log.error("cannot serve: %s", exc)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

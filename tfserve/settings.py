@@ -1,0 +1,154 @@
+"""Server settings: every flag of `python -m tfserve serve` is also a TFSERVE_* env var.
+
+`ServerConfig` holds them; `parse_config` reads the command line with the environment as
+defaults (a flag wins) and validates, so a bad value is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from tfserve.cli import OneLineParser
+from tfserve.scheduler import SchedulerConfig
+from tfserve.translator import DEFAULT_MAX_TEXTS
+
+ENV_PREFIX = "TFSERVE_"
+
+
+@dataclass
+class ServerConfig:
+    """Every server setting; each is a flag `--name-with-dashes` and an env var TFSERVE_NAME."""
+
+    model: Path | None = None  # None: the bundled demo, exported on first use
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_port: int = 9090  # 0 disables the metrics endpoint
+    device: str = "cpu"
+    threads: int = 0
+    max_batch_size: int = 32
+    max_batch_tokens: int = 8192
+    max_wait_ms: float = 2.0
+    max_queue: int = 256
+    max_texts_per_request: int = DEFAULT_MAX_TEXTS
+    max_message_bytes: int = 16 * 1024 * 1024
+    grace_seconds: float = 30.0
+    default_max_new_tokens: int = 0  # 0: min(256, the model's target positions - 1)
+    log_format: str = "json"
+    log_level: str = "info"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    auth_token: str | None = None
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_batch_size=self.max_batch_size,
+                               max_batch_tokens=self.max_batch_tokens,
+                               max_wait_ms=self.max_wait_ms, max_queue=self.max_queue)
+
+    def validate(self) -> ServerConfig:
+        for name in ("max_batch_size", "max_batch_tokens", "max_queue", "max_texts_per_request",
+                     "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("port", "metrics_port", "threads", "default_max_new_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_wait_ms", "grace_seconds"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key must be given together")
+        if self.log_format not in ("json", "text"):
+            raise ValueError(f"--log-format must be json or text, got {self.log_format!r}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"--log-level must be debug, info, warning or error, "
+                             f"got {self.log_level!r}")
+        return self
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+_HELP = {
+    "model": "artifacts directory from `python -m export` (default: the bundled demo, "
+             "exported on first use)",
+    "host": "address to listen on",
+    "port": "gRPC port (0: pick a free one, logged at startup)",
+    "metrics_port": "Prometheus /metrics HTTP port (0 disables)",
+    "device": "cpu, cuda or cuda:N",
+    "threads": "ONNX Runtime intra-op threads (0: one per core)",
+    "max_batch_size": "rows (beams and samples count one each) in the running decoder batch; "
+                      "inputs per encoder run",
+    "max_batch_tokens": "padded source tokens per encoder run",
+    "max_wait_ms": "how long an idle server waits for more inputs before running the encoder",
+    "max_queue": "requests that may wait for the model; more get RESOURCE_EXHAUSTED",
+    "max_texts_per_request": "inputs per request",
+    "max_message_bytes": "largest gRPC message received or sent",
+    "grace_seconds": "on SIGTERM, how long requests in flight may take to finish",
+    "default_max_new_tokens": "max_new_tokens when a request leaves it 0 (0: min(256, the "
+                              "model's target positions - 1))",
+    "log_format": "json (one object per line) or text",
+    "log_level": "debug, info, warning or error",
+    "tls_cert": "PEM certificate chain: serve TLS (needs --tls-key)",
+    "tls_key": "PEM private key for --tls-cert",
+    "auth_token": "require `authorization: Bearer TOKEN` metadata (health is exempt); "
+                  "prefer the env var to keep it out of `ps`",
+}
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """Flags with their defaults taken from TFSERVE_* env vars where set (a flag wins)."""
+    environ = os.environ if environ is None else environ
+    parser = OneLineParser(prog="python -m tfserve serve",
+                     description="Serve an exported model over gRPC (tfserve.v1.Translator, "
+                     "health, reflection) with Prometheus metrics. Every flag can also be set "
+                     "with the env var shown; the flag wins.",
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    defaults = ServerConfig()
+    for spec in fields(ServerConfig):
+        name = spec.name
+        default = getattr(defaults, name)
+        kind: Callable[[str], Any] = _value_type(name, default)
+        env = env_name(name)
+        if env in environ:
+            try:
+                default = kind(environ[env])
+            except ValueError:
+                parser.error(f"{env}={environ[env]!r} is not a valid value for --{_flag(name)}")
+        shown = "***" if name == "auth_token" and default else default
+        parser.add_argument(f"--{_flag(name)}", dest=name, type=kind, default=default,
+                            help=f"{_HELP[name]} [env {env}] (default: {shown})")
+    parser.formatter_class = argparse.HelpFormatter  # defaults are in the help text already
+    return parser
+
+
+def _value_type(name: str, default: Any) -> Callable[[str], Any]:
+    if name in ("model", "tls_cert", "tls_key"):
+        return Path
+    if isinstance(default, bool):
+        return lambda text: text.lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int
+    if isinstance(default, float):
+        return float
+    return str
+
+
+def parse_config(argv: Sequence[str] | None = None,
+                 environ: Mapping[str, str] | None = None) -> ServerConfig:
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    config = ServerConfig(**vars(args))
+    try:
+        return config.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
