@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -148,16 +150,58 @@ class Hypothesis:
     finished: bool = True  # False: stopped by max_new_tokens before eos
 
 
-def logsumexp(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log(sum(exp(logits))) of float32 logits [R,V] -> [R].
+_POOL: ThreadPoolExecutor | None = None
+PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, threads cost more than they save
 
-    log-probabilities are logits - logsumexp[:, None]; searches form them only where needed
-    (greedy: one entry per row), which saves several passes over [R, V] per step.
-    """
+
+def _row_chunks(logits: np.ndarray) -> list[np.ndarray]:
+    workers = os.cpu_count() or 1
+    if workers < 2 or logits.size < PARALLEL_MIN_ELEMENTS or logits.shape[0] < 2:
+        return [logits]
+    return np.array_split(logits, min(workers, logits.shape[0]))
+
+
+def _logsumexp_rows(logits: np.ndarray) -> np.ndarray:
     peak = logits.max(axis=-1)  # [R]
     shifted = np.subtract(logits, peak[:, None])
     np.exp(shifted, out=shifted)
     return peak + np.log(shifted.sum(axis=-1))
+
+
+def top_k_unordered(logits: np.ndarray, k: int) -> np.ndarray:
+    """Indices of each row's k largest logits [R,k], in no particular order."""
+    vocab = logits.shape[-1]
+    if k >= vocab:
+        return np.broadcast_to(np.arange(vocab), logits.shape)
+    return np.argpartition(logits, vocab - k, axis=-1)[:, vocab - k :]
+
+
+def parallel_top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    """top_k_unordered over row chunks on threads (numpy releases the GIL in argpartition)."""
+    chunks = _row_chunks(logits)
+    if len(chunks) == 1 or k >= logits.shape[-1]:
+        return top_k_unordered(logits, k)
+    return np.concatenate(list(_pool().map(lambda c: top_k_unordered(c, k), chunks)))
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tfserve-search")
+    return _POOL
+
+
+def logsumexp(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log(sum(exp(logits))) of float32 logits [R,V] -> [R].
+
+    log-probabilities are logits - logsumexp[:, None]; searches form them only where needed
+    (greedy: one entry per row), which saves several passes over [R, V] per step. Large
+    inputs are split by rows over threads (numpy releases the GIL in exp and sum).
+    """
+    chunks = _row_chunks(logits)
+    if len(chunks) == 1:
+        return _logsumexp_rows(logits)
+    return np.concatenate(list(_pool().map(_logsumexp_rows, chunks)))
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -328,18 +372,25 @@ class BeamSearch(Search):
         self.finished.sort(key=lambda h: -h.score)
         del self.finished[self.options.num_beams :]
 
-    def advance(self, logits: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def candidates_per_row(self) -> int:
+        """Tokens per row `advance` must see: 2K, plus one in case eos is blocked."""
+        return 2 * self.options.num_beams + 1
+
+    def advance(self, logits: np.ndarray, lse: np.ndarray,
+                best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """best: each row's top candidates_per_row() token ids (any order), when the batch
+        computed them for all rows at once."""
         num_beams = self.options.num_beams
-        logits = self.block_eos(logits)
         rows, vocab = logits.shape
         # the best 2K candidates overall are among each row's best 2K tokens: rank those only
-        per_row = min(2 * num_beams, vocab)
-        if per_row < vocab:
-            best = np.argpartition(-logits, per_row - 1, axis=-1)[:, :per_row]  # [rows, 2K]
-        else:
-            best = np.broadcast_to(np.arange(vocab), (rows, vocab))
+        if best is None:
+            per_row = min(self.candidates_per_row(), vocab)
+            best = top_k_unordered(logits, per_row)  # [rows, 2K+1]
+        values = np.take_along_axis(logits, best, axis=-1)
+        if self.generated < self.options.min_new_tokens:
+            values = np.where(best == self.eos, -np.inf, values)  # eos not allowed yet
         offset = self.beam_scores - lse  # [rows]: beam score minus the row's normaliser
-        scores_2k = (offset[:, None] + np.take_along_axis(logits, best, axis=-1)).ravel()
+        scores_2k = (offset[:, None] + values).ravel()
         flat_2k = (np.arange(rows)[:, None] * vocab + best).ravel()  # beam * V + token
         count = min(2 * num_beams, scores_2k.size)
         top = np.lexsort((flat_2k, -scores_2k))[:count]  # best first, ties by beam then token
@@ -503,12 +554,21 @@ class DecodeBatch:
             # equal Hugging Face's with Marian's bad_words_ids=[[pad]]
             logits[:, pad] = -np.inf
 
+        # beam candidates of every row in one (threaded) pass instead of one per sentence
+        beam_k = max((m.search.candidates_per_row() for m in self.members
+                      if isinstance(m.search, BeamSearch)), default=0)
+        best = parallel_top_k(logits, beam_k) if beam_k else None
         gather, tokens, kept, finished, row = [], [], [], [], 0
         layout = [member.search.rows for member in self.members]
         for member in self.members:
             rows = member.search.rows
-            parents, new_tokens = member.search.advance(
-                logits[row : row + rows], lse[row : row + rows])
+            if isinstance(member.search, BeamSearch):
+                parents, new_tokens = member.search.advance(
+                    logits[row : row + rows], lse[row : row + rows],
+                    None if best is None else best[row : row + rows])
+            else:
+                parents, new_tokens = member.search.advance(
+                    logits[row : row + rows], lse[row : row + rows])
             gather.append(parents + row)
             tokens.append(new_tokens)
             member.search.rows = len(parents)
