@@ -261,11 +261,18 @@ class Runtime:
             cache = self._device(cache)
             extra = length - cache[0].shape()[2]
             return self.cache_ops.pad_time(cache, extra, left) if extra > 0 else cache
+
         def pad(t: np.ndarray) -> np.ndarray:
             extra = length - t.shape[2]
             if extra <= 0:
                 return t
-            return np.pad(t, ((0, 0), (0, 0), (extra, 0) if left else (0, extra), (0, 0)))
+            # zeros + one slice copy: several times faster than np.pad for these shapes
+            out = np.zeros((t.shape[0], t.shape[1], length, t.shape[3]), t.dtype)
+            if left:
+                out[:, :, extra:] = t
+            else:
+                out[:, :, : t.shape[2]] = t
+            return out
 
         return self._each(pad, cache)
 
