@@ -181,13 +181,14 @@ def parallel_top_k(logits: np.ndarray, k: int) -> np.ndarray:
     chunks = _row_chunks(logits)
     if len(chunks) == 1 or k >= logits.shape[-1]:
         return top_k_unordered(logits, k)
-    return np.concatenate(list(_pool().map(lambda c: top_k_unordered(c, k), chunks)))
+    return np.concatenate(list(numpy_pool().map(lambda c: top_k_unordered(c, k), chunks)))
 
 
-def _pool() -> ThreadPoolExecutor:
+def numpy_pool() -> ThreadPoolExecutor:
+    """The process's threads for GIL-releasing numpy work (search and host cache copies)."""
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tfserve-search")
+        _POOL = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tfserve-numpy")
     return _POOL
 
 
@@ -201,7 +202,7 @@ def logsumexp(logits: np.ndarray) -> np.ndarray:
     chunks = _row_chunks(logits)
     if len(chunks) == 1:
         return _logsumexp_rows(logits)
-    return np.concatenate(list(_pool().map(_logsumexp_rows, chunks)))
+    return np.concatenate(list(numpy_pool().map(_logsumexp_rows, chunks)))
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -238,7 +239,14 @@ class Search:
             logits[:, self.eos] = -np.inf
         return logits
 
-    def advance(self, logits: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def candidates_per_row(self) -> int:
+        """Best tokens per row the batch should find for `advance` (0: none needed)."""
+        return 0
+
+    def advance(self, logits: np.ndarray, lse: np.ndarray,
+                best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """best: each row's top candidates_per_row() token ids (any order), when the batch
+        computed them for all rows at once."""
         raise NotImplementedError
 
     def results(self) -> list[Hypothesis]:
@@ -252,7 +260,8 @@ class GreedySearch(Search):
         self.tokens: list[int] = []
         self.score = 0.0
 
-    def advance(self, logits: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def advance(self, logits: np.ndarray, lse: np.ndarray,
+                best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         row = self.block_eos(logits)[0]
         token = int(row.argmax())
         self.score += float(row[token] - lse[0])
@@ -309,7 +318,8 @@ class SamplingSearch(Search):
         self.samples: list[list[int]] = [[]]
         self.scores: list[float] = [0.0]
 
-    def advance(self, logits: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def advance(self, logits: np.ndarray, lse: np.ndarray,
+                best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         logits = self.block_eos(logits)
         if self.generated == 0:  # fan the single start row out to the samples
             count = self.options.num_return_sequences
@@ -378,8 +388,6 @@ class BeamSearch(Search):
 
     def advance(self, logits: np.ndarray, lse: np.ndarray,
                 best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """best: each row's top candidates_per_row() token ids (any order), when the batch
-        computed them for all rows at once."""
         num_beams = self.options.num_beams
         rows, vocab = logits.shape
         # the best 2K candidates overall are among each row's best 2K tokens: rank those only
@@ -555,20 +563,15 @@ class DecodeBatch:
             logits[:, pad] = -np.inf
 
         # beam candidates of every row in one (threaded) pass instead of one per sentence
-        beam_k = max((m.search.candidates_per_row() for m in self.members
-                      if isinstance(m.search, BeamSearch)), default=0)
+        beam_k = max((m.search.candidates_per_row() for m in self.members), default=0)
         best = parallel_top_k(logits, beam_k) if beam_k else None
         gather, tokens, kept, finished, row = [], [], [], [], 0
         layout = [member.search.rows for member in self.members]
         for member in self.members:
             rows = member.search.rows
-            if isinstance(member.search, BeamSearch):
-                parents, new_tokens = member.search.advance(
-                    logits[row : row + rows], lse[row : row + rows],
-                    None if best is None else best[row : row + rows])
-            else:
-                parents, new_tokens = member.search.advance(
-                    logits[row : row + rows], lse[row : row + rows])
+            parents, new_tokens = member.search.advance(
+                logits[row : row + rows], lse[row : row + rows],
+                None if best is None else best[row : row + rows])
             gather.append(parents + row)
             tokens.append(new_tokens)
             member.search.rows = len(parents)

@@ -398,20 +398,16 @@ class Scheduler:
             encode_items.append(self._encode_queue.popleft())
         translate_items = []
         reserved = sum(member.tag.max_rows for member in self._batch.members)
-        if len(self._batch) and self._translate_queue:
-            # while decoding, gather arrivals for up to max_wait_ms (or until they fill the
-            # free rows): each join costs an encoder run and a copy of the whole cache, so a
-            # few larger joins beat one join per step
-            queued = sum(item.max_rows for item in self._translate_queue)
-            oldest = self._translate_queue[0].job.submitted
-            if (queued < self.config.max_batch_size - reserved
-                    and now - oldest < self.config.max_wait_ms / 1000.0):
-                for item in encode_items:
-                    self._admitted(item, now)
-                return translate_items, encode_items
+        # while decoding, gather arrivals for up to max_wait_ms (or until they fill the free
+        # rows): each join costs an encoder run and a copy of the whole cache, so a few
+        # larger joins beat one join per step
+        gathering = bool(len(self._batch) and self._translate_queue) and (
+            sum(item.max_rows for item in self._translate_queue)
+            < self.config.max_batch_size - reserved
+            and now - self._translate_queue[0].job.submitted < self.config.max_wait_ms / 1000.0)
         # FIFO without overtaking: a wide beam search at the head waits for rows to free up
         # rather than being starved by a stream of greedy requests behind it
-        while (self._translate_queue
+        while (not gathering and self._translate_queue
                and reserved + self._translate_queue[0].max_rows <= self.config.max_batch_size):
             item = self._translate_queue.popleft()
             reserved += item.max_rows
