@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from export.graphs import SUPPORTED_OPSETS, export_graphs, quantize_int8
     from export.sources import load_source
     from export.verify import verify
-    from tfserve.manifest import Manifest
+    from tfserve.manifest import GRAPH_REVISION, Manifest
     from tfserve.version import __version__
 
     if args.opset not in SUPPORTED_OPSETS:
@@ -171,6 +171,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "source_format": source.kind,
                 "source_sha256": sha256_of(source.weight_files),
                 "tfserve": __version__,
+                "graph_revision": GRAPH_REVISION,
+                "attention": "fused" if args.dtype == "fp32" else "standard ops",
                 "torch": torch.__version__,
                 "onnx": onnx.__version__,
                 "onnxruntime": __import__("onnxruntime").__version__,

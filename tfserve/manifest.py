@@ -21,6 +21,9 @@ from tfserve.config import ConfigError, ModelConfig
 from tfserve.tokenizer import TokenizerSpec
 
 FORMAT_VERSION = 1
+# How export builds the graphs behind the same interface (2: fused attention, fusable
+# reshapes); an exported demo made by an older revision is re-exported on first use.
+GRAPH_REVISION = 2
 MANIFEST_FILE = "model.json"
 
 

@@ -15,6 +15,7 @@ past, so training, incremental decoding and export share one code path.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -88,26 +89,91 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # -- attention ------------------------------------------------------------------------------
 
 
-def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)  # [B,T,D] -> [B,H,T,Dh]
+# Both reshapes name the leading dims as x.shape[i] of the reshaped tensor itself and the head
+# sizes as Python ints: traced, that is Shape -> Gather -> Unsqueeze -> Concat, which ONNX
+# Runtime's reshape fusion turns into one Reshape with a constant [0, 0, H, Dh]. unflatten and
+# flatten traced into ~10 shape ops per call, run at every decoder step (a fifth of the
+# optimized decoder graph's nodes).
+
+
+def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    x = x.reshape(x.shape[0], x.shape[1], num_heads, head_dim)  # [B,T,D] -> [B,T,H,Dh]
+    return x.transpose(1, 2)  # [B,H,T,Dh]
 
 
 def merge_heads(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(1, 2).flatten(2)  # [B,H,T,Dh] -> [B,T,D]
+    x = x.transpose(1, 2)  # [B,H,T,Dh] -> [B,T,H,Dh]
+    return x.reshape(x.shape[0], x.shape[1], -1)  # [B,T,D]
 
 
 def scaled_dot_product(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(Dh), masked) v.
 
-    q [B,H,Tq,Dh], k/v [B,H,Tk,Dh], allowed bool broadcastable to [B,H,Tq,Tk].
+    q [B,H,Tq,Dh], k/v [B,H,Tk,Dh], scale = Dh ** -0.5 (a Python float, so it is a constant
+    in the graphs), blocked bool broadcastable to [B,H,Tq,Tk] (True: the
+    query may not see that key). It is computed once per call of the stack, not per layer, so
+    the graphs carry one Where per attention and no per-layer mask arithmetic.
     Masked scores are set to the dtype's minimum rather than -inf: a query whose keys are all
     masked (a padding row) then gets a uniform distribution instead of NaN.
     """
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)  # [B,H,Tq,Tk]
-    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B,H,Tq,Tk]
+    scores = scores.masked_fill(blocked, torch.finfo(scores.dtype).min)
     return torch.matmul(scores.softmax(dim=-1), v)  # [B,H,Tq,Dh]
+
+
+def blocked_to_bias(blocked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask (True: blocked) -> additive bias with the dtype's minimum where blocked.
+
+    |score| is far below the spacing of floats near the minimum, so score + min == min: the
+    same scores as scaled_dot_product's masked_fill, padding rows included.
+    """
+    return blocked.to(dtype) * torch.finfo(dtype).min
+
+
+class FusedAttention(torch.autograd.Function):
+    """Exported as ONNX Runtime's com.microsoft.MultiHeadAttention: one node instead of ~12.
+
+    Head split, past concat, q k^T * scale + bias, softmax, @ v and head merge in one kernel
+    (fp32 on CPU; fp32/fp16 on CUDA). Used only while exporting fp32 graphs
+    (`Seq2SeqTransformer.use_fused_attention`); `forward` is the reference computation the
+    tracer runs, the same maths as the unfused path.
+
+    q [B,T,D]; k/v either new projections [B,T,D] (self-attention; with past [B,H,P,Dh] they
+    are appended) or cached cross K/V [B,H,S,Dh]; bias [B,1,T,P+T] (or [B,1,T,S]) additive.
+    Returns the output [B,T,D] and the keys/values attended over [B,H,P+T,Dh].
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                past_k: torch.Tensor | None, past_v: torch.Tensor | None, num_heads: int,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        head_dim = q.shape[-1] // num_heads
+        if k.dim() == 3:
+            k, v = split_heads(k, num_heads, head_dim), split_heads(v, num_heads, head_dim)
+            if past_k is not None and past_v is not None:
+                k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
+        qh = split_heads(q, num_heads, head_dim)  # [B,H,T,Dh]
+        scores = torch.matmul(qh, k.transpose(-1, -2)) * scale + bias  # [B,H,T,Tk]
+        return merge_heads(torch.matmul(scores.softmax(dim=-1), v)), k, v
+
+    @staticmethod
+    def symbolic(g: Any, q: Any, k: Any, v: Any, bias: Any, past_k: Any, past_v: Any,
+                 num_heads: int, scale: float) -> Any:
+        none = g.op("prim::Constant")  # an omitted optional input ("" in the ONNX node)
+        none.setType(torch._C.OptionalType.ofTensor())
+        if past_k is None:  # cross-attention over cached K/V: no present outputs
+            out = g.op("com.microsoft::MultiHeadAttention", q, k, v, none, none, bias,
+                       num_heads_i=num_heads, scale_f=scale)
+            out.setType(q.type())
+            return out, k, v
+        out, key, value = g.op("com.microsoft::MultiHeadAttention", q, k, v, none, none, bias,
+                               past_k, past_v, num_heads_i=num_heads, scale_f=scale, outputs=3)
+        out.setType(q.type())
+        key.setType(past_k.type())
+        value.setType(past_v.type())
+        return out, key, value
 
 
 class MultiHeadAttention(nn.Module):
@@ -120,6 +186,7 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, bias: bool) -> None:
         super().__init__()
         self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
         self.q_proj = nn.Linear(d_model, d_model, bias=bias)
         self.k_proj = nn.Linear(d_model, d_model, bias=bias)
         self.v_proj = nn.Linear(d_model, d_model, bias=bias)
@@ -127,17 +194,33 @@ class MultiHeadAttention(nn.Module):
 
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of x [B,S,D], each [B,H,S,Dh]."""
-        return split_heads(self.k_proj(x), self.num_heads), split_heads(
-            self.v_proj(x), self.num_heads
-        )
+        return (split_heads(self.k_proj(x), self.num_heads, self.head_dim),
+                split_heads(self.v_proj(x), self.num_heads, self.head_dim))
 
-    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Queries from x [B,T,D] against given keys/values; returns [B,T,D]."""
-        q = split_heads(self.q_proj(x), self.num_heads)  # [B,H,T,Dh]
+        q = split_heads(self.q_proj(x), self.num_heads, self.head_dim)  # [B,H,T,Dh]
         if rope is not None:
             q = apply_rope(q, *rope)
-        return self.out_proj(merge_heads(scaled_dot_product(q, k, v, allowed)))
+        out = scaled_dot_product(q, k, v, blocked, self.head_dim ** -0.5)
+        return self.out_proj(merge_heads(out))
+
+    def attend_fused(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                     past: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """attend() through FusedAttention (export only): k/v [B,T,D] new or [B,H,S,Dh] cached.
+
+        Returns the output [B,T,D] and the keys/values attended over, each [B,H,len,Dh].
+        """
+        q = self.q_proj(x)  # [B,T,D]
+        if rope is not None:
+            q = merge_heads(apply_rope(split_heads(q, self.num_heads, self.head_dim), *rope))
+        past_k, past_v = past if past is not None else (None, None)
+        out, k, v = FusedAttention.apply(q, k, v, bias, past_k, past_v, self.num_heads,
+                                         self.head_dim ** -0.5)
+        return self.out_proj(out), k, v
 
 
 class FeedForward(nn.Module):
@@ -173,6 +256,15 @@ class Residual(nn.Module):
 # -- layers ---------------------------------------------------------------------------------
 
 
+def new_kv(attn: MultiHeadAttention, h: torch.Tensor,
+           rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of h [B,T,D] for the fused path, each [B,T,D] (keys rotated by RoPE)."""
+    k, v = attn.k_proj(h), attn.v_proj(h)
+    if rope is not None:
+        k = merge_heads(apply_rope(split_heads(k, attn.num_heads, attn.head_dim), *rope))
+    return k, v
+
+
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -182,13 +274,19 @@ class EncoderLayer(nn.Module):
         self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation)
         self.ffn_res = Residual(cfg.d_model, cfg.layer_norm_eps, pre, cfg.dropout)
 
-    def forward(self, x: torch.Tensor, allowed: torch.Tensor,
+    def forward(self, x: torch.Tensor, mask: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """mask: bool `blocked` [B,1,1,S], or its additive float bias for the fused path."""
         h = self.self_attn_res.normed_input(x)
-        k, v = self.self_attn.project_kv(h)
-        if rope is not None:
-            k = apply_rope(k, *rope)
-        x = self.self_attn_res.combine(x, self.self_attn.attend(h, k, v, allowed, rope))
+        if mask.dtype != torch.bool:
+            k, v = new_kv(self.self_attn, h, rope)
+            attended = self.self_attn.attend_fused(h, k, v, mask, rope=rope)[0]
+        else:
+            k, v = self.self_attn.project_kv(h)
+            if rope is not None:
+                k = apply_rope(k, *rope)
+            attended = self.self_attn.attend(h, k, v, mask, rope)
+        x = self.self_attn_res.combine(x, attended)
         return self.ffn_res.combine(x, self.ffn(self.ffn_res.normed_input(x)))
 
 
@@ -206,23 +304,31 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        self_allowed: torch.Tensor,
-        cross_allowed: torch.Tensor,
+        self_blocked: torch.Tensor,
+        cross_blocked: torch.Tensor,
         past: tuple[torch.Tensor, torch.Tensor],
         cross: tuple[torch.Tensor, torch.Tensor],
         rope: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Masks: bool `blocked` ones, or their additive float biases for the fused path."""
         h = self.self_attn_res.normed_input(x)
-        k_new, v_new = self.self_attn.project_kv(h)  # [B,H,T,Dh]
-        if rope is not None:
-            k_new = apply_rope(k_new, *rope)  # cached keys are stored already rotated
-        k = torch.cat((past[0], k_new), dim=2)  # [B,H,P+T,Dh]
-        v = torch.cat((past[1], v_new), dim=2)
-        x = self.self_attn_res.combine(x, self.self_attn.attend(h, k, v, self_allowed, rope))
-        h = self.cross_attn_res.normed_input(x)
-        x = self.cross_attn_res.combine(
-            x, self.cross_attn.attend(h, cross[0], cross[1], cross_allowed)
-        )
+        if self_blocked.dtype != torch.bool:
+            k_new, v_new = new_kv(self.self_attn, h, rope)  # [B,T,D]
+            attended, k, v = self.self_attn.attend_fused(h, k_new, v_new, self_blocked, past,
+                                                         rope)
+            x = self.self_attn_res.combine(x, attended)
+            h = self.cross_attn_res.normed_input(x)
+            attended = self.cross_attn.attend_fused(h, cross[0], cross[1], cross_blocked)[0]
+        else:
+            k_new, v_new = self.self_attn.project_kv(h)  # [B,H,T,Dh]
+            if rope is not None:
+                k_new = apply_rope(k_new, *rope)  # cached keys are stored already rotated
+            k = torch.cat((past[0], k_new), dim=2)  # [B,H,P+T,Dh]
+            v = torch.cat((past[1], v_new), dim=2)
+            x = self.self_attn_res.combine(x, self.self_attn.attend(h, k, v, self_blocked, rope))
+            h = self.cross_attn_res.normed_input(x)
+            attended = self.cross_attn.attend(h, cross[0], cross[1], cross_blocked)
+        x = self.cross_attn_res.combine(x, attended)
         x = self.ffn_res.combine(x, self.ffn(self.ffn_res.normed_input(x)))
         return x, (k, v)
 
@@ -281,6 +387,9 @@ class Seq2SeqTransformer(nn.Module):
             self.final_logits_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
         else:
             self.final_logits_bias = None
+        # export-time switch (export.graphs): trace attention as ONNX Runtime's fused
+        # MultiHeadAttention op; the eager maths are the same either way
+        self.use_fused_attention = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -323,10 +432,13 @@ class Seq2SeqTransformer(nn.Module):
         position_ids = torch.arange(seq_len, device=input_ids.device)[None, :]  # [1,S]
         position_ids = position_ids.expand_as(input_ids)  # [B,S]
         x = self.encoder_embed(input_ids, position_ids)
-        allowed = attention_mask[:, None, None, :].bool()  # [B,1,1,S] keys that are tokens
+        mask = attention_mask[:, None, None, :] == 0  # [B,1,1,S] keys that are padding
+        if self.use_fused_attention:
+            # the fused kernel wants the bias at its full [B,1,S,S] shape
+            mask = blocked_to_bias(mask.expand(-1, -1, seq_len, -1), x.dtype)
         rope = self.rope(position_ids) if self.rope is not None else None
         for layer in self.encoder_layers:
-            x = layer(x, allowed, rope)
+            x = layer(x, mask, rope)
         if self.encoder_norm is not None:
             x = self.encoder_norm(x)
         return x
@@ -374,15 +486,21 @@ class Seq2SeqTransformer(nn.Module):
         total_len = self_attention_mask.shape[1]
         query_pos = torch.arange(new_len, device=input_ids.device) + (total_len - new_len)  # [T]
         key_pos = torch.arange(total_len, device=input_ids.device)  # [P+T]
-        causal = key_pos[None, :] <= query_pos[:, None]  # [T,P+T]
-        self_allowed = self_attention_mask[:, None, None, :].bool() & causal  # [B,1,T,P+T]
-        cross_allowed = encoder_attention_mask[:, None, None, :].bool()  # [B,1,1,S]
+        future = key_pos[None, :] > query_pos[:, None]  # [T,P+T] look-ahead
+        self_blocked = (self_attention_mask[:, None, None, :] == 0) | future  # [B,1,T,P+T]
+        cross_blocked = encoder_attention_mask[:, None, None, :] == 0  # [B,1,1,S]
+        if self.use_fused_attention:
+            # additive biases at the full [B,1,T,len] shapes the fused kernel takes
+            dtype = self.shared.weight.dtype
+            self_blocked = blocked_to_bias(self_blocked, dtype)  # type: ignore[assignment]
+            cross_blocked = blocked_to_bias(
+                cross_blocked.expand(-1, -1, new_len, -1), dtype)
 
         x = self.decoder_embed(input_ids, position_ids)
         rope = self.rope(position_ids) if self.rope is not None else None
         present: KVCache = []
         for layer, layer_past, layer_cross in zip(self.decoder_layers, past, cross):
-            x, kv = layer(x, self_allowed, cross_allowed, layer_past, layer_cross, rope)
+            x, kv = layer(x, self_blocked, cross_blocked, layer_past, layer_cross, rope)
             present.append(kv)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)

@@ -28,7 +28,10 @@ def cache_root() -> Path:
 
 
 def checkpoint_digest() -> str:
-    digest = hashlib.sha256()
+    """Names the cached export: the checkpoint's files and the graph revision that made it."""
+    from tfserve.manifest import GRAPH_REVISION
+
+    digest = hashlib.sha256(f"graphs-{GRAPH_REVISION}".encode())
     for name in ("config.json", "model.safetensors"):
         digest.update((CHECKPOINT_DIR / name).read_bytes())
     return digest.hexdigest()[:12]
