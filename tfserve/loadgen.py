@@ -5,10 +5,15 @@
         --requests 400 --duration 20 --max-new-tokens 32 --json
 
 For each concurrency level, that many closed-loop clients (each sends its next request when
-the previous answer arrives) share one channel; a level ends after --requests requests or
+the previous answer arrives) run in --processes worker processes (blocking gRPC stubs, one
+thread per client, one channel per process); a level ends after --requests requests or
 --duration seconds, whichever comes first. Reported per level: texts/s, generated tokens/s
-(tokens of the best hypotheses), and p50 / p99 request latency. Sources are English number
-phrases (the demo's domain) unless --texts-file gives one text per line.
+(tokens of the best hypotheses), p50 / p99 request latency, and the load generator's own CPU
+time per request (all its processes). With --server-pid (a server on this machine), the
+server's CPU time per request too: on a shared machine, the two add up to what the cores
+spent per request. Sources are English number phrases (the demo's domain) unless
+--texts-file gives one text per line. Every request carries one text unless
+--texts-per-request says otherwise.
 
 With --offline DIR (the artifacts the server serves) and --threads N (the server's), the same
 texts are first translated in-process by the offline runtime: at batch 32 (throughput) and one
@@ -22,21 +27,25 @@ load someone else's server.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ipaddress
 import json
+import multiprocessing
+import os
 import random
+import resource
 import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 
-from tfserve.client import AsyncClient, ServerError
+from tfserve.client import pb2_grpc, translate_request
 
 _ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen "
          "fourteen fifteen sixteen seventeen eighteen nineteen").split()
@@ -78,6 +87,10 @@ class LevelResult:
     p50_ms: float
     p99_ms: float
     error_codes: dict[str, int]
+    processes: int = 1
+    client_cpu_ms_per_request: float = float("nan")  # every load generator process
+    server_cpu_ms_per_request: float | None = None  # with --server-pid
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def is_loopback(target: str) -> bool:
@@ -91,43 +104,152 @@ def is_loopback(target: str) -> bool:
         return False
 
 
-async def run_level(target: str, concurrency: int, requests: int, duration: float,
-                    texts: Sequence[str], texts_per_request: int, options: dict[str, Any],
-                    token: str | None = None, timeout: float = 60.0) -> LevelResult:
-    """One closed-loop run with `concurrency` clients."""
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return usage.ru_utime + usage.ru_stime
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of another process so far (Linux /proc), None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+@dataclass
+class _Plan:
+    """What one load generator process does (picklable: processes are spawned)."""
+
+    target: str
+    clients: int
+    requests: Any  # multiprocessing.Value shared by the processes: requests still to send
+    duration: float
+    texts: list[str]
+    texts_per_request: int
+    options: dict[str, Any]
+    token: str | None
+    timeout: float
+    seed: int
+
+
+def _client_process(plan: _Plan, ready: Any, start: Any, results: Any) -> None:
+    """Closed-loop clients on one channel; puts (latencies, errors, texts, tokens, cpu, s)."""
+    channel = grpc.insecure_channel(plan.target)
+    stub = pb2_grpc.TranslatorStub(channel)
+    metadata = [("authorization", f"Bearer {plan.token}")] if plan.token else []
+    rng = random.Random(plan.seed)
+    # requests are built up front so that the timed loop costs only the RPC itself
+    pool = [translate_request([rng.choice(plan.texts) for _ in range(plan.texts_per_request)],
+                              **plan.options) for _ in range(256)]
     latencies: list[float] = []
     errors: dict[str, int] = {}
-    counters = {"sent": 0, "texts": 0, "tokens": 0}
-    rng = random.Random(concurrency)
-    async with AsyncClient(target, timeout=timeout, token=token) as client:
-        started = time.perf_counter()
-        stop_at = started + duration
+    counts = {"texts": 0, "tokens": 0}
+    lock = threading.Lock()
+    try:  # warm the channel (connection, HTTP/2 settings) before the clock starts
+        stub.Translate(pool[0], timeout=plan.timeout, metadata=metadata)
+    except grpc.RpcError:
+        pass
+    ready.release()
+    start.wait()
+    cpu_before, started = _cpu_seconds(), time.perf_counter()
+    stop_at = started + plan.duration
 
-        async def worker() -> None:
-            while counters["sent"] < requests and time.perf_counter() < stop_at:
-                counters["sent"] += 1
-                batch = [rng.choice(texts) for _ in range(texts_per_request)]
-                sent = time.perf_counter()
-                try:
-                    hypotheses = await client.translate_hypotheses(batch, **options)
-                except ServerError as exc:
-                    errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
-                    continue
-                latencies.append(time.perf_counter() - sent)
-                counters["texts"] += len(batch)
-                counters["tokens"] += sum(len(h[0].token_ids) for h in hypotheses)
+    def client(index: int) -> None:
+        turn = index
+        while time.perf_counter() < stop_at:
+            with plan.requests.get_lock():
+                if plan.requests.value <= 0:
+                    return
+                plan.requests.value -= 1
+            request = pool[turn % len(pool)]
+            turn += plan.clients
+            sent = time.perf_counter()
+            try:
+                response = stub.Translate(request, timeout=plan.timeout, metadata=metadata)
+            except grpc.RpcError as error:
+                code = error.code().name if hasattr(error, "code") else "UNKNOWN"
+                with lock:
+                    errors[code] = errors.get(code, 0) + 1
+                continue
+            elapsed = time.perf_counter() - sent
+            tokens = sum(len(t.hypotheses[0].token_ids) for t in response.translations
+                         if t.hypotheses)
+            with lock:
+                latencies.append(elapsed)
+                counts["texts"] += len(response.translations)
+                counts["tokens"] += tokens
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - started
+    threads = [threading.Thread(target=client, args=(i,), daemon=True)
+               for i in range(plan.clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    cpu = _cpu_seconds() - cpu_before
+    channel.close()
+    results.put((latencies, errors, counts["texts"], counts["tokens"], cpu, seconds))
+
+
+def run_level(target: str, concurrency: int, requests: int, duration: float,
+              texts: Sequence[str], texts_per_request: int, options: dict[str, Any],
+              token: str | None = None, timeout: float = 60.0, processes: int = 0,
+              server_pid: int | None = None) -> LevelResult:
+    """One closed-loop run with `concurrency` clients spread over `processes` processes.
+
+    processes 0: one per core, at most one per client. Several processes keep the load
+    generator's own Python (one interpreter lock per process) from capping the load.
+    """
+    processes = max(1, min(concurrency, processes or (os.cpu_count() or 1)))
+    context = multiprocessing.get_context("spawn")  # no fork after gRPC has started threads
+    remaining = context.Value("q", requests)
+    ready, start, results = context.Semaphore(0), context.Event(), context.Queue()
+    workers = []
+    for index in range(processes):
+        clients = concurrency // processes + (1 if index < concurrency % processes else 0)
+        plan = _Plan(target, clients, remaining, duration, list(texts), texts_per_request,
+                     options, token, timeout, seed=concurrency * 1000 + index)
+        worker = context.Process(target=_client_process, args=(plan, ready, start, results),
+                                 daemon=True)
+        worker.start()
+        workers.append(worker)
+    for _ in workers:
+        ready.acquire()
+    server_before = process_cpu_seconds(server_pid) if server_pid else None
+    start.set()
+    latencies: list[float] = []
+    errors: dict[str, int] = {}
+    texts_done = tokens = 0
+    cpu = seconds = 0.0
+    for _ in workers:
+        part_latencies, part_errors, part_texts, part_tokens, part_cpu, part_seconds = (
+            results.get(timeout=duration + timeout + 60))
+        latencies += part_latencies
+        for code, count in part_errors.items():
+            errors[code] = errors.get(code, 0) + count
+        texts_done += part_texts
+        tokens += part_tokens
+        cpu += part_cpu
+        seconds = max(seconds, part_seconds)
+    server_after = process_cpu_seconds(server_pid) if server_pid else None
+    for worker in workers:
+        worker.join()
+    done = len(latencies) + sum(errors.values())
     lat_ms = np.array(latencies) * 1000.0
+    server_cpu = (round((server_after - server_before) / max(done, 1) * 1000.0, 3)
+                  if server_before is not None and server_after is not None else None)
     return LevelResult(
-        concurrency=concurrency, requests=len(latencies) + sum(errors.values()),
-        errors=sum(errors.values()), texts=counters["texts"], tokens=counters["tokens"],
-        seconds=round(seconds, 3), texts_per_s=round(counters["texts"] / seconds, 2),
-        tokens_per_s=round(counters["tokens"] / seconds, 1),
+        concurrency=concurrency, requests=done, errors=sum(errors.values()),
+        texts=texts_done, tokens=tokens, seconds=round(seconds, 3),
+        texts_per_s=round(texts_done / seconds, 2), tokens_per_s=round(tokens / seconds, 1),
         p50_ms=round(float(np.percentile(lat_ms, 50)), 2) if len(lat_ms) else float("nan"),
         p99_ms=round(float(np.percentile(lat_ms, 99)), 2) if len(lat_ms) else float("nan"),
-        error_codes=errors)
+        error_codes=errors, processes=processes,
+        client_cpu_ms_per_request=round(cpu / max(done, 1) * 1000.0, 3),
+        server_cpu_ms_per_request=server_cpu)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also measure these artifacts offline and print served/offline")
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads for --offline (use the server's)")
+    parser.add_argument("--processes", type=int, default=0,
+                        help="load generator processes (0: one per core, at most one per "
+                             "client)")
+    parser.add_argument("--server-pid", type=int, default=None,
+                        help="the server's process id (same machine): also print its CPU "
+                             "time per request")
     return parser
 
 
@@ -208,28 +336,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.offline is not None:
         offline = offline_figures(args.offline, args.threads, texts, options)
 
-    async def run() -> list[LevelResult]:
-        if args.warmup:
-            await run_level(args.server, 1, args.warmup, args.duration, texts,
-                            args.texts_per_request, options, args.token, args.timeout)
-        return [await run_level(args.server, level, args.requests, args.duration, texts,
-                                args.texts_per_request, options, args.token, args.timeout)
-                for level in levels]
+    def level(concurrency: int, requests: int) -> LevelResult:
+        return run_level(args.server, concurrency, requests, args.duration, texts,
+                         args.texts_per_request, options, args.token, args.timeout,
+                         args.processes, args.server_pid)
 
-    try:
-        results = asyncio.run(run())
-    except ServerError as exc:
-        print(f"loadgen: error: {exc}", file=sys.stderr)
-        return 1
+    if args.warmup:
+        level(1, args.warmup)
+    results = [level(concurrency, args.requests) for concurrency in levels]
     if args.json:
         for result in results:
             print(json.dumps(asdict(result)))
     else:
+        server_column = args.server_pid is not None
         print(f"{'clients':>7} {'requests':>8} {'errors':>6} {'texts/s':>9} {'tokens/s':>9} "
-              f"{'p50 ms':>8} {'p99 ms':>8}")
+              f"{'p50 ms':>8} {'p99 ms':>8} {'client CPU ms/req':>17}"
+              + (f" {'server CPU ms/req':>17}" if server_column else ""))
         for r in results:
             print(f"{r.concurrency:>7} {r.requests:>8} {r.errors:>6} {r.texts_per_s:>9.1f} "
-                  f"{r.tokens_per_s:>9.1f} {r.p50_ms:>8.1f} {r.p99_ms:>8.1f}")
+                  f"{r.tokens_per_s:>9.1f} {r.p50_ms:>8.1f} {r.p99_ms:>8.1f} "
+                  f"{r.client_cpu_ms_per_request:>17.2f}"
+                  + (f" {r.server_cpu_ms_per_request or float('nan'):>17.2f}"
+                     if server_column else ""))
+        for r in results:
+            if r.error_codes:
+                print(f"errors at {r.concurrency} clients: {r.error_codes}")
     if offline is not None:
         by_level = {r.concurrency: r for r in results}
         ratios: dict[str, Any] = {"offline": offline}

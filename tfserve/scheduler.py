@@ -82,7 +82,7 @@ class SchedulerConfig:
 
     max_batch_size: int = 32  # rows in the running decoder batch; inputs per encoder run
     max_batch_tokens: int = 8192  # padded source tokens per encoder run
-    max_wait_ms: float = 2.0  # how long an idle worker waits for a batch to fill
+    max_wait_ms: float = 2.0  # how long arrivals wait for company (see Scheduler._batching_wait)
     max_queue: int = 256  # requests with inputs not yet taken up by the model
 
     def validate(self) -> SchedulerConfig:
@@ -241,6 +241,11 @@ class Scheduler:
         self._stopping = False
         self._batch = DecodeBatch(backend)
         self._thread: threading.Thread | None = None
+        # what the last busy period looked like, for the idle worker's wait (_batching_wait)
+        self._step_seconds = 0.0  # running mean of recent decoder steps
+        self._busy_rows = 0  # most rows the batch held since it was last empty
+        self._returning_rows = 0  # rows of the busy period that just ended
+        self._idle_since = 0.0  # time.monotonic() when the batch last became empty
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -341,6 +346,9 @@ class Scheduler:
         while True:
             # rows of cancelled / expired requests leave first, so admission can reuse them
             self._drop_finished_rows()
+            if not len(self._batch) and self._busy_rows:  # a busy period just ended
+                self._returning_rows, self._busy_rows = self._busy_rows, 0
+                self._idle_since = time.monotonic()
             with self._cond:
                 while True:
                     if self._stopping:
@@ -364,17 +372,28 @@ class Scheduler:
                                  {item.job for item in translate_items + encode_items})
 
     def _batching_wait(self) -> float:
-        """Seconds to wait for more work before starting an idle batch (<= 0: start now).
+        """Seconds an idle worker waits for more work before starting a batch (<= 0: now).
 
-        A lone request waits at most max_wait_ms after it arrived; a queue that already fills
-        a batch does not wait at all.
+        A request that finds the worker idle after a quiet spell starts at once: nothing says
+        company is coming, and waiting would only add to a lone request's latency (requests
+        that follow it a moment later join the running batch at the next step). But when the
+        batch has just emptied, its clients (closed-loop ones, whose outputs all ended on the
+        same step) are sending their next requests: the worker waits until as many rows as
+        the batch held are queued, for at most max(max_wait_ms, one decoder step). Starting
+        with the first few instead would split the wave into groups a step or more apart,
+        each paying an encoder run and a copy of the whole cache to join, and leave rows
+        empty while the answers of one group travel.
         """
         queued = sum(item.max_rows for item in self._translate_queue) + len(self._encode_queue)
-        if queued >= self.config.max_batch_size:
-            return 0.0
+        expected = 1
         oldest = min(queue[0].job.submitted for queue in (self._translate_queue,
                                                            self._encode_queue) if queue)
-        return oldest + self.config.max_wait_ms / 1000.0 - time.monotonic()
+        bound = max(self.config.max_wait_ms / 1000.0, self._step_seconds)
+        if oldest - self._idle_since < bound:  # the first newcomer came right after the batch
+            expected = self._returning_rows
+        if queued >= min(expected, self.config.max_batch_size):
+            return 0.0
+        return oldest + bound - time.monotonic()
 
     def _take(self) -> tuple[list[_Item], list[_Item]]:
         """Under the lock: drop dead queued items, take what fits into the next iteration."""
@@ -557,6 +576,10 @@ class Scheduler:
             self._fail_batch("step", exc)
             return
         elapsed = time.perf_counter() - started
+        # a short memory: step times change with the batch's rows and cache length
+        self._step_seconds = elapsed if not self._step_seconds else (
+            0.8 * self._step_seconds + 0.2 * elapsed)
+        self._busy_rows = max(self._busy_rows, rows)
         self.stats.steps += 1
         self.stats.rows_stepped += rows
         self.metrics.decoder_steps.inc()

@@ -18,6 +18,7 @@ finish within --grace-seconds, then the server stops and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
@@ -112,29 +113,43 @@ class _Call:
         self.started = time.perf_counter()
         self.job: Job | None = None
         self.texts = 0
-        metadata = dict(context.invocation_metadata() or ())
-        self.request_id = (getattr(request, "request_id", "") or metadata.get(REQUEST_ID_KEY)
-                           or uuid.uuid4().hex)
+        self.request_id = getattr(request, "request_id", "") or (
+            dict(context.invocation_metadata() or ()).get(REQUEST_ID_KEY) or uuid.uuid4().hex)
+        self.metadata_sent = False
         remaining = context.time_remaining()
         # None (or, in some grpc versions, a huge value) when the client set no deadline
         self.deadline = (time.monotonic() + remaining
                          if remaining is not None and remaining < 1e8 else None)
 
-    async def begin(self) -> None:
+    def begin(self) -> None:
         self.server._call_started()
-        await self.context.send_initial_metadata(((REQUEST_ID_KEY, self.request_id),))
         if self.server.draining:
             raise Draining("the server is shutting down; retry on another replica")
 
+    async def send_metadata(self) -> None:
+        """Echo the request id in the response headers (once).
+
+        Sent after the request is queued, not before: the headers are a write of their own,
+        and done first they would delay the model by a trip through the event loop.
+        """
+        if not self.metadata_sent:
+            self.metadata_sent = True
+            await self.context.send_initial_metadata(((REQUEST_ID_KEY, self.request_id),))
+
     async def wait(self, job: Job) -> list[Any]:
-        """The job's results; when the RPC is cancelled, the job is cancelled with it."""
+        """The job's results; when the RPC is cancelled, the job is cancelled with it.
+
+        The worker thread settles a future of this loop directly (one call_soon_threadsafe
+        per request). Unlike asyncio.wrap_future, cancelling the RPC does not cancel the
+        job's future, so fail() can still record why (deadline or cancelled).
+        """
         self.job = job
-        # shield: a cancelled RPC must not cancel the job's future itself (wrap_future would),
-        # so that fail() can record why (deadline or cancelled) with job.cancel(reason)
-        result = asyncio.wrap_future(job.future)
-        # after a cancellation nobody awaits it: mark its exception as seen to keep logs clean
-        result.add_done_callback(lambda done: done.cancelled() or done.exception())
-        return await asyncio.shield(result)
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[list[Any]] = loop.create_future()
+        job.future.add_done_callback(
+            lambda done: loop.call_soon_threadsafe(_settle, waiter, done))
+        await self.send_metadata()
+        return await waiter
 
     def expired(self) -> bool:
         """Whether the client's deadline has passed (grpc cancels the RPC right at it)."""
@@ -162,15 +177,15 @@ class _Call:
         if self.job is not None:
             self.job.cancel()  # a failure outside the scheduler: stop its work too
         self.finish(code, details)
+        await self.send_metadata()
         await self.context.abort(code, details)
         raise AssertionError("unreachable: abort raises")
 
     def finish(self, code: grpc.StatusCode, details: str = "") -> None:
         elapsed = time.perf_counter() - self.started
-        metrics = self.server.metrics
-        metrics.requests.labels(self.rpc, code.name).inc()
-        metrics.request_seconds.labels(self.rpc).observe(elapsed)
-        self.server._call_finished()
+        self.server._call_finished(self.rpc, code, elapsed)
+        if not access_log.isEnabledFor(logging.INFO):
+            return
         record: dict[str, Any] = {
             "request_id": self.request_id,
             "rpc": self.rpc,
@@ -186,6 +201,18 @@ class _Call:
         access_log.info("request", extra={"fields": record})
 
 
+def _settle(waiter: asyncio.Future[Any], done: concurrent.futures.Future[Any]) -> None:
+    """On the event loop: pass a job's outcome on to the RPC awaiting it (unless it left)."""
+    if waiter.done():  # the RPC was cancelled meanwhile
+        return
+    if done.cancelled():
+        waiter.set_exception(Cancelled("request cancelled"))
+    elif done.exception() is not None:
+        waiter.set_exception(done.exception())  # type: ignore[arg-type]
+    else:
+        waiter.set_result(done.result())
+
+
 Handler = Callable[..., Awaitable[Any]]
 
 
@@ -197,8 +224,9 @@ def unary(rpc: str) -> Callable[[Handler], Handler]:
                           context: grpc.aio.ServicerContext) -> Any:
             call = _Call(self.server, rpc, request, context)
             try:
-                await call.begin()
+                call.begin()
                 response = await method(self, request, context, call)
+                await call.send_metadata()
             except BaseException as exc:
                 await call.fail(exc)
             call.finish(grpc.StatusCode.OK)
@@ -219,9 +247,11 @@ def streaming(rpc: str) -> Callable[[Callable[..., AsyncIterator[Any]]],
                           context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             call = _Call(self.server, rpc, request, context)
             try:
-                await call.begin()
+                call.begin()
                 async for chunk in method(self, request, context, call):
+                    await call.send_metadata()
                     yield chunk
+                await call.send_metadata()
             except BaseException as exc:
                 await call.fail(exc)
             call.finish(grpc.StatusCode.OK)
@@ -383,6 +413,7 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
 
         job = self._submit_translate(request, call, on_event)
         call.job = job
+        await call.send_metadata()
         # the job's end (success or failure) arrives after its last event: both go through
         # call_soon_threadsafe from the worker thread, which keeps their order
         job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
@@ -512,6 +543,7 @@ class TranslatorServer:
         self.health = health.aio.HealthServicer()
         self.draining = False
         self.in_flight = 0
+        self._rpc_metrics: dict[tuple[str, grpc.StatusCode], tuple[Any, Any]] = {}
         self.port = 0
         self.metrics_port = 0
         self._server: grpc.aio.Server | None = None
@@ -524,7 +556,14 @@ class TranslatorServer:
         if self._idle is not None:
             self._idle.clear()
 
-    def _call_finished(self) -> None:
+    def _call_finished(self, rpc: str, code: grpc.StatusCode, seconds: float) -> None:
+        metrics = self._rpc_metrics.get((rpc, code))
+        if metrics is None:  # labelled children, looked up once per (rpc, code)
+            metrics = self._rpc_metrics[(rpc, code)] = (
+                self.metrics.requests.labels(rpc, code.name),
+                self.metrics.request_seconds.labels(rpc))
+        metrics[0].inc()
+        metrics[1].observe(seconds)
         self.in_flight -= 1
         self.metrics.in_flight.dec()
         if self.in_flight == 0 and self._idle is not None:
