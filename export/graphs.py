@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tfserve.manifest import decoder_io, encoder_io
+from tfserve.manifest import TOP_CANDIDATES, TOP_OUTPUTS, decoder_io, encoder_io
 from tfserve.model import Seq2SeqTransformer
 
 DEFAULT_OPSET = 17
@@ -50,7 +50,10 @@ class DecoderGraph(nn.Module):
         cross = [(caches[2 * n + 2 * i], caches[2 * n + 2 * i + 1]) for i in range(n)]
         logits, present = self.model.decode_step(
             input_ids, position_ids, self_attention_mask, encoder_attention_mask, past, cross)
-        return (logits, *[t for kv in present for t in kv])
+        # the search's candidates, in float32 even for fp16 graphs (scores accumulate them)
+        k = min(TOP_CANDIDATES, self.model.config.vocab_size)
+        top_log_probs, top_ids = logits.float().log_softmax(dim=-1).topk(k, dim=-1)  # [B,T,K]
+        return (logits, *[t for kv in present for t in kv], top_log_probs, top_ids)
 
 
 def example_inputs(model: Seq2SeqTransformer, float_dtype: torch.dtype) -> tuple[tuple, tuple]:
@@ -117,6 +120,7 @@ def export_graphs(model: Seq2SeqTransformer, directory: Path, opset: int,
     layers = model.config.decoder_layers
     enc_in, enc_out = encoder_io(layers)
     dec_in, dec_out = decoder_io(layers)
+    dec_out = dec_out + list(TOP_OUTPUTS)
     enc_example, dec_example = example_inputs(model, float_dtype)
 
     enc_axes: dict[str, dict[int, str]] = {
@@ -130,12 +134,13 @@ def export_graphs(model: Seq2SeqTransformer, directory: Path, opset: int,
         "self_attention_mask": {0: "batch", 1: "total_len"},
         "encoder_attention_mask": {0: "batch", 1: "source_len"},
         "logits": {0: "batch", 1: "new_len"},
+        **{name: {0: "batch", 1: "new_len"} for name in TOP_OUTPUTS},
     }
     for name in enc_out[1:]:
         enc_axes[name] = {0: "batch", 2: "source_len"}
     for name in dec_in[4:]:
         dec_axes[name] = {0: "batch", 2: "past_len" if name.startswith("past") else "source_len"}
-    for name in dec_out[1:]:
+    for name in dec_out[1: 1 + 2 * layers]:
         dec_axes[name] = {0: "batch", 2: "total_len"}
 
     encoder_path, decoder_path = directory / "encoder.onnx", directory / "decoder.onnx"

@@ -69,10 +69,13 @@ def step_parity(model: Seq2SeqTransformer, runtime: Runtime, rows: int = 3,
             tokens[:, 0] = cfg.decoder_start_token_id
         positions = np.arange(filled, filled + new, dtype=np.int64)[None].repeat(rows, 0)
         self_mask = np.ones((rows, filled + new), np.int64)
-        logits_ref, past_ref = eager.decode(tokens, positions, self_mask, mask, past_ref,
-                                            cross_ref)
-        logits, past = runtime.decode(tokens, positions, self_mask, mask, past, cross)
+        ref = eager.step(tokens, positions, self_mask, mask, past_ref, cross_ref)
+        got = runtime.step(tokens, positions, self_mask, mask, past, cross)
+        (logits_ref, past_ref), (logits, past) = ref[:2], got[:2]
         diff = _max_diff(logits, logits_ref)
+        if got.top_log_probs is not None and ref.top_log_probs is not None:
+            report["top_log_probs"] = max(report.get("top_log_probs", 0.0),
+                                          _max_diff(got.top_log_probs, ref.top_log_probs))
         report[f"{name}_logits"] = max(report.get(f"{name}_logits", 0.0), diff)
         report["present_kv"] = max(report.get("present_kv", 0.0), max(
             _max_diff(p, r) for p, r in zip(past, [t for kv in past_ref for t in kv])))

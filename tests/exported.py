@@ -38,14 +38,24 @@ def tiny_config(positions: str = "rope", norm: str = "pre", **overrides: object)
 
 
 @functools.cache
-def checkpoint(positions: str = "rope", norm: str = "pre", seed: int = 0) -> Path:
-    """A random native checkpoint using the demo's tokenizer (vocab 111)."""
+def checkpoint(positions: str = "rope", norm: str = "pre", seed: int = 0,
+               favour_specials: bool = False) -> Path:
+    """A random native checkpoint using the demo's tokenizer (vocab 111).
+
+    favour_specials (sinusoidal only, the config with a final logits bias): pad and eos get
+    a large logits bias, so the searches' bans (pad always, eos before min_new_tokens) decide
+    many of the outputs.
+    """
     torch.manual_seed(seed)
     model = Seq2SeqTransformer(tiny_config(positions, norm))
     if model.final_logits_bias is not None:
         with torch.no_grad():
             model.final_logits_bias.normal_(std=0.5)
-    directory = WORK / f"ckpt-{positions}-{norm}-{seed}"
+            if favour_specials:
+                model.final_logits_bias[model.config.pad_token_id] += 8.0
+                model.final_logits_bias[model.config.eos_token_id] += 6.0
+    special = "-specials" if favour_specials else ""
+    directory = WORK / f"ckpt-{positions}-{norm}-{seed}{special}"
     save_checkpoint(model, directory)
     for name in DEMO_VOCAB_FILES:
         shutil.copy2(CHECKPOINT_DIR / name, directory / name)
@@ -54,10 +64,12 @@ def checkpoint(positions: str = "rope", norm: str = "pre", seed: int = 0) -> Pat
 
 @functools.cache
 def artifacts(positions: str = "rope", norm: str = "pre", seed: int = 0,
-              quantize: str | None = None) -> Path:
+              quantize: str | None = None, favour_specials: bool = False) -> Path:
     """`checkpoint(...)` exported (fp32, or int8 when quantize='int8')."""
-    out = WORK / f"art-{positions}-{norm}-{seed}-{quantize or 'fp32'}"
-    args = ["--checkpoint", str(checkpoint(positions, norm, seed)), "--out", str(out),
+    special = "-specials" if favour_specials else ""
+    out = WORK / f"art-{positions}-{norm}-{seed}-{quantize or 'fp32'}{special}"
+    source = checkpoint(positions, norm, seed, favour_specials)
+    args = ["--checkpoint", str(source), "--out", str(out),
             "--quiet", "--parity-samples", "0"]
     if quantize:
         args += ["--quantize", quantize]

@@ -387,3 +387,55 @@ def test_device_cache_rows_join_a_running_batch() -> None:
                 break
         results[name] = out
     assert results["host"] == results["device"]
+
+
+# -- the decoder graph's top candidates (graph revision 2) ------------------------------------
+
+
+@pytest.mark.parametrize("options", [
+    DecodingOptions(max_new_tokens=10),
+    DecodingOptions(max_new_tokens=10, min_new_tokens=6),
+    DecodingOptions(max_new_tokens=10, num_beams=3, num_return_sequences=2),
+    DecodingOptions(max_new_tokens=10, min_new_tokens=7, num_beams=16, num_return_sequences=3,
+                    length_penalty=0.5),
+], ids=["greedy", "greedy-min", "beam", "beam16-min"])
+@pytest.mark.parametrize("favour_specials", [False, True], ids=["plain", "pad-eos-favoured"])
+def test_graph_top_candidates_match_the_full_logits(options: DecodingOptions,
+                                                    favour_specials: bool) -> None:
+    """Greedy and beam rows decided from the graph's top_log_probs/top_ids give the tokens,
+    and within float rounding the scores, of the search over the full logits (which is also
+    how artifacts exported before graph revision 2 decode). 16 beams need all 34 candidates
+    when pad and eos are both banned."""
+    model = artifacts("sinusoidal", "pre", favour_specials=favour_specials)
+    with_top = Runtime(model)
+    assert with_top.top_outputs == ["top_log_probs", "top_ids"]
+    without = Runtime(model)
+    without.top_outputs = []
+    _, (ids, mask) = mixed_batch(with_top, [6, 2, 9, 4], seed=3)
+    out = with_top.step(ids[:, :1], np.zeros((4, 1), np.int64), np.ones((4, 1), np.int64), mask,
+                        with_top.empty_past(4), with_top.encode(ids, mask)[1])
+    assert out.top_ids is not None and out.top_ids.shape == (4, 1, 34)
+    expected = generate(without, ids, mask, options)
+    assert_same(expected, generate(with_top, ids, mask, options), "candidates vs full logits",
+                atol=1e-5)
+    if favour_specials:  # the bans decided: pad never appears, eos not before the minimum
+        produced = [t for per_source in expected for h in per_source for t in h.token_ids]
+        assert with_top.pad_token_id not in produced
+        assert all(len(h.token_ids) >= options.min_new_tokens for r in expected for h in r)
+
+
+def test_graph_top_candidates_equal_eager_ones() -> None:
+    """The exported LogSoftmax + TopK give the eager backend's candidates (same ids, sorted,
+    log-probabilities within 1e-5)."""
+    runtime = Runtime(artifacts("rope", "pre"))
+    eager = EagerBackend(eager_model("rope", "pre"))
+    _, (ids, mask) = mixed_batch(runtime, [5, 3], seed=4)
+    start = np.full((2, 1), runtime.decoder_start_token_id, np.int64)
+    args = (start, np.zeros((2, 1), np.int64), np.ones((2, 1), np.int64), mask)
+    got = runtime.step(*args, runtime.empty_past(2), runtime.encode(ids, mask)[1])
+    ref = eager.step(*args, eager.empty_past(2), eager.encode(ids, mask)[1])
+    assert got.top_ids is not None and ref.top_ids is not None
+    assert got.top_log_probs is not None and ref.top_log_probs is not None
+    np.testing.assert_array_equal(got.top_ids, ref.top_ids)
+    np.testing.assert_allclose(got.top_log_probs, ref.top_log_probs, atol=1e-5)
+    assert (np.diff(got.top_log_probs, axis=-1) <= 0).all()  # best first

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tfserve.generation import StepOutput
+from tfserve.manifest import TOP_CANDIDATES
 from tfserve.model import KVCache, Seq2SeqTransformer
 
 
@@ -53,6 +55,21 @@ class EagerBackend:
         past: KVCache,
         cross: KVCache,
     ) -> tuple[np.ndarray, KVCache]:
+        out = self.step(input_ids, position_ids, self_attention_mask, encoder_attention_mask,
+                        past, cross)
+        return out.logits, out.present
+
+    @torch.inference_mode()
+    def step(
+        self,
+        input_ids: np.ndarray,
+        position_ids: np.ndarray,
+        self_attention_mask: np.ndarray,
+        encoder_attention_mask: np.ndarray,
+        past: KVCache,
+        cross: KVCache,
+    ) -> StepOutput:
+        """decode() plus the top candidates, as the exported decoder graph computes them."""
         logits, present = self.model.decode_step(
             self._tensor(input_ids),
             self._tensor(position_ids),
@@ -61,12 +78,16 @@ class EagerBackend:
             past,
             cross,
         )
-        return logits.float().cpu().numpy(), present
+        logits = logits.float()
+        k = min(TOP_CANDIDATES, logits.shape[-1])
+        top_log_probs, top_ids = logits.log_softmax(dim=-1).topk(k, dim=-1)  # [B,T,K]
+        return StepOutput(logits.cpu().numpy(), present, top_log_probs.cpu().numpy(),
+                          top_ids.cpu().numpy())
 
     def empty_past(self, rows: int) -> KVCache:
         return self.model.empty_cache(rows, self.device)
 
-    def take_rows(self, cache: KVCache, index: np.ndarray) -> KVCache:
+    def take_rows(self, cache: KVCache, index: np.ndarray, reuse: bool = False) -> KVCache:
         rows = torch.from_numpy(index).to(self.device)
         return [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in cache]
 

@@ -23,12 +23,23 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 DEFAULT_MAX_NEW_TOKENS = 256
 Cache = Any  # a backend's per-layer tensors; the search code never looks inside
+
+
+class StepOutput(NamedTuple):
+    """One decoder call, as the search sees it."""
+
+    logits: np.ndarray  # float32 [B,T,V]
+    present: Cache
+    # where the backend computes them (graph revision 2): each position's best
+    # log-probabilities [B,T,K], best first, and their token ids [B,T,K]
+    top_log_probs: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
 
 
 class Backend(Protocol):
@@ -54,11 +65,25 @@ class Backend(Protocol):
     ) -> tuple[np.ndarray, Cache]:
         """One decoder call -> (logits float32 [B,T,V] as numpy, present cache)."""
 
+    def step(
+        self,
+        input_ids: np.ndarray,
+        position_ids: np.ndarray,
+        self_attention_mask: np.ndarray,
+        encoder_attention_mask: np.ndarray,
+        past: Cache,
+        cross: Cache,
+    ) -> StepOutput:
+        """decode(), plus each position's top candidates where the backend has them."""
+
     def empty_past(self, rows: int) -> Cache:
         """A self-attention cache of length 0 for `rows` rows."""
 
-    def take_rows(self, cache: Cache, index: np.ndarray) -> Cache:
-        """Rows `index` of every tensor (axis 0): reorder, duplicate or drop rows."""
+    def take_rows(self, cache: Cache, index: np.ndarray, reuse: bool = False) -> Cache:
+        """Rows `index` of every tensor (axis 0): reorder, duplicate or drop rows.
+
+        reuse: the caller hands `cache` over, so its storage may be rewritten in place.
+        """
 
     def concat_rows(self, caches: Sequence[Cache]) -> Cache:
         """Rows of several caches stacked (axis 0); their time axes (2) must agree."""
@@ -152,6 +177,7 @@ class Hypothesis:
 
 _POOL: ThreadPoolExecutor | None = None
 PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, threads cost more than they save
+SCORE_BLOCK_ELEMENTS = 1 << 18  # rows per score_rows block: ~1 MiB of float32 logits
 
 
 def _row_chunks(logits: np.ndarray) -> list[np.ndarray]:
@@ -176,12 +202,29 @@ def top_k_unordered(logits: np.ndarray, k: int) -> np.ndarray:
     return np.argpartition(logits, vocab - k, axis=-1)[:, vocab - k :]
 
 
-def parallel_top_k(logits: np.ndarray, k: int) -> np.ndarray:
-    """top_k_unordered over row chunks on threads (numpy releases the GIL in argpartition)."""
-    chunks = _row_chunks(logits)
-    if len(chunks) == 1 or k >= logits.shape[-1]:
-        return top_k_unordered(logits, k)
-    return np.concatenate(list(numpy_pool().map(lambda c: top_k_unordered(c, k), chunks)))
+def score_rows(logits: np.ndarray, banned: int | None, k: int
+               ) -> tuple[np.ndarray, np.ndarray | None]:
+    """One pass over float32 logits [R,V] for a decoder step, edited in place.
+
+    Returns each row's logsumexp [R], taken before token `banned` (if any) is set to -inf,
+    and the indices of each row's k largest remaining logits [R,k] in no order (None for
+    k = 0). Rows go to the thread pool in blocks of a few rows, so the top-k reads a block
+    while it is still in cache from the logsumexp (numpy releases the GIL in both).
+    """
+
+    def block(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        lse = _logsumexp_rows(rows)
+        if banned is not None:
+            rows[:, banned] = -np.inf
+        return lse, top_k_unordered(rows, k) if k else None
+
+    if len(_row_chunks(logits)) == 1:
+        return block(logits)
+    step = max(1, SCORE_BLOCK_ELEMENTS // logits.shape[1])
+    parts = list(numpy_pool().map(block, [logits[i: i + step]
+                                          for i in range(0, logits.shape[0], step)]))
+    lse = np.concatenate([part[0] for part in parts])
+    return lse, np.concatenate([part[1] for part in parts]) if k else None  # type: ignore[misc]
 
 
 def numpy_pool() -> ThreadPoolExecutor:
@@ -243,6 +286,17 @@ class Search:
         """Best tokens per row the batch should find for `advance` (0: none needed)."""
         return 0
 
+    def top_needed(self) -> int:
+        """Best tokens per row `advance_candidates` needs, banned ones not counted (0: the
+        search needs the whole distribution, and only `advance` serves it)."""
+        return 0
+
+    def advance_candidates(self, ids: np.ndarray, log_probs: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray]:
+        """`advance` from each row's best tokens only: ids [rows,K] and their
+        log-probabilities [rows,K] (banned tokens already -inf)."""
+        raise NotImplementedError
+
     def advance(self, logits: np.ndarray, lse: np.ndarray,
                 best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """best: each row's top candidates_per_row() token ids (any order), when the batch
@@ -260,11 +314,25 @@ class GreedySearch(Search):
         self.tokens: list[int] = []
         self.score = 0.0
 
+    def top_needed(self) -> int:
+        return 1
+
     def advance(self, logits: np.ndarray, lse: np.ndarray,
                 best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         row = self.block_eos(logits)[0]
         token = int(row.argmax())
-        self.score += float(row[token] - lse[0])
+        return self._choose(token, float(row[token] - lse[0]))
+
+    def advance_candidates(self, ids: np.ndarray, log_probs: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray]:
+        values = log_probs[0]
+        if self.generated < self.options.min_new_tokens:
+            values = np.where(ids[0] == self.eos, -np.inf, values)
+        best = int(values.argmax())  # the first of equal maxima, as argmax over the row
+        return self._choose(int(ids[0, best]), float(values[best]))
+
+    def _choose(self, token: int, log_prob: float) -> tuple[np.ndarray, np.ndarray]:
+        self.score += log_prob
         self.generated += 1
         if token == self.eos:
             self.finished.append(Hypothesis(list(self.tokens), self.score))
@@ -386,18 +454,31 @@ class BeamSearch(Search):
         """Tokens per row `advance` must see: 2K, plus one in case eos is blocked."""
         return 2 * self.options.num_beams + 1
 
+    def top_needed(self) -> int:
+        return 2 * self.options.num_beams
+
     def advance(self, logits: np.ndarray, lse: np.ndarray,
                 best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        num_beams = self.options.num_beams
-        rows, vocab = logits.shape
         # the best 2K candidates overall are among each row's best 2K tokens: rank those only
         if best is None:
-            per_row = min(self.candidates_per_row(), vocab)
+            per_row = min(self.candidates_per_row(), logits.shape[1])
             best = top_k_unordered(logits, per_row)  # [rows, 2K+1]
         values = np.take_along_axis(logits, best, axis=-1)
+        # offset: beam score minus the row's normaliser
+        return self._select(best, values, self.beam_scores - lse, logits.shape[1])
+
+    def advance_candidates(self, ids: np.ndarray, log_probs: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray]:
+        return self._select(ids, log_probs, self.beam_scores, int(ids.max()) + 1)
+
+    def _select(self, best: np.ndarray, values: np.ndarray, offset: np.ndarray, vocab: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """Keep the best num_beams continuations among candidates best [rows,k] whose
+        scores are offset [rows] + values [rows,k]; vocab: any bound above the token ids."""
+        num_beams = self.options.num_beams
+        rows = best.shape[0]
         if self.generated < self.options.min_new_tokens:
             values = np.where(best == self.eos, -np.inf, values)  # eos not allowed yet
-        offset = self.beam_scores - lse  # [rows]: beam score minus the row's normaliser
         scores_2k = (offset[:, None] + values).ravel()
         flat_2k = (np.arange(rows)[:, None] * vocab + best).ravel()  # beam * V + token
         count = min(2 * num_beams, scores_2k.size)
@@ -479,6 +560,9 @@ class DecodeBatch:
     position_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     last_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     steps: int = 0
+    # decide greedy and beam rows from the backend's top candidates when it has them (off:
+    # always from the full logits; both give the same tokens, see tests/test_runtime.py)
+    use_top_candidates: bool = True
 
     @property
     def rows(self) -> int:
@@ -541,7 +625,7 @@ class DecodeBatch:
         """Run one decoder step for every row; returns the members that finished."""
         if not self.members:
             return []
-        logits, present = self.backend.decode(
+        out = self.backend.step(
             self.last_tokens[:, None],  # [R,1]
             self.position_ids[:, None],  # [R,1]
             np.concatenate([self.self_attention_mask, np.ones((self.rows, 1), np.int64)], axis=1),
@@ -550,28 +634,31 @@ class DecodeBatch:
             self.cross,
         )
         self.steps += 1
-        self.past = present
+        self.past = out.present
         self.self_attention_mask = np.concatenate(
             [self.self_attention_mask, np.ones((self.rows, 1), np.int64)], axis=1)  # [R,P+1]
-        # [R,V]; the backend hands over a fresh array, so it is edited in place below
-        logits = logits[:, -1, :].astype(np.float32, copy=False)
-        lse = logsumexp(logits)  # [R]
+        # pad is banned after the normaliser is taken, without renormalising: the scores then
+        # equal Hugging Face's with Marian's bad_words_ids=[[pad]]
         pad = self.backend.pad_token_id
-        if pad != self.backend.eos_token_id:
-            # banned after the normaliser is taken, without renormalising: the scores then
-            # equal Hugging Face's with Marian's bad_words_ids=[[pad]]
-            logits[:, pad] = -np.inf
-
-        # beam candidates of every row in one (threaded) pass instead of one per sentence
-        beam_k = max((m.search.candidates_per_row() for m in self.members), default=0)
-        best = parallel_top_k(logits, beam_k) if beam_k else None
+        banned = pad if pad != self.backend.eos_token_id else None
+        top = self._candidates(out, banned)
+        if top is None:
+            # [R,V]; the backend hands over a fresh array, so score_rows edits it in place;
+            # beam candidates of every row come from one threaded pass
+            logits = out.logits[:, -1, :].astype(np.float32, copy=False)
+            beam_k = max((m.search.candidates_per_row() for m in self.members), default=0)
+            lse, best = score_rows(logits, banned, beam_k)  # [R], [R,k]
         gather, tokens, kept, finished, row = [], [], [], [], 0
         layout = [member.search.rows for member in self.members]
         for member in self.members:
             rows = member.search.rows
-            parents, new_tokens = member.search.advance(
-                logits[row : row + rows], lse[row : row + rows],
-                None if best is None else best[row : row + rows])
+            if top is not None:
+                parents, new_tokens = member.search.advance_candidates(
+                    top[0][row : row + rows], top[1][row : row + rows])
+            else:
+                parents, new_tokens = member.search.advance(
+                    logits[row : row + rows], lse[row : row + rows],
+                    None if best is None else best[row : row + rows])
             gather.append(parents + row)
             tokens.append(new_tokens)
             member.search.rows = len(parents)
@@ -591,6 +678,24 @@ class DecodeBatch:
         self.last_tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
         return finished
 
+    def _candidates(self, out: StepOutput, banned: int | None
+                    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The step's top candidates (ids [R,K], log-probs [R,K], `banned` at -inf) when the
+        backend computed them and every member can decide from them; else None."""
+        if out.top_ids is None or out.top_log_probs is None or not self.use_top_candidates:
+            return None
+        ids, log_probs = out.top_ids[:, -1, :], out.top_log_probs[:, -1, :]
+        # K = V: every token is a candidate; else room for the needed ones plus pad and eos
+        room = ids.shape[1] if ids.shape[1] >= self.backend.vocab_size else ids.shape[1] - 2
+        for member in self.members:
+            needed = member.search.top_needed()
+            if needed == 0 or needed > room:
+                return None
+        log_probs = log_probs.astype(np.float32)  # a copy: edited below
+        if banned is not None:
+            log_probs[ids == banned] = -np.inf
+        return ids.astype(np.int64, copy=False), log_probs
+
     def _reorder(self, index: np.ndarray, members: list[_Member],
                  same_sources: bool = False) -> None:
         """Keep rows `index` (in that order) for `members`, trimming dead cache columns.
@@ -608,7 +713,8 @@ class DecodeBatch:
             return
         identity = len(index) == previous_rows and bool((index == np.arange(previous_rows)).all())
         if not identity:
-            self.past = self.backend.take_rows(self.past, index)
+            # the past is always this batch's own (a fresh present, or made by add/remove)
+            self.past = self.backend.take_rows(self.past, index, reuse=True)
             self.self_attention_mask = self.self_attention_mask[index]
             if not same_sources:
                 self.cross = self.backend.take_rows(self.cross, index)

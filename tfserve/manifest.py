@@ -38,6 +38,14 @@ def encoder_io(layers: int) -> tuple[list[str], list[str]]:
     return ["input_ids", "attention_mask"], outputs
 
 
+# Optional decoder outputs (graph revision 2): each position's best log-probabilities
+# [B,T,K] (sorted, best first) and their token ids [B,T,K], K = min(TOP_CANDIDATES, V).
+# LogSoftmax + TopK in the graph replace the search's pass over [B,V] logits in numpy for
+# greedy and beam rows; K covers 2 x 16 beams plus the two tokens a search may ban (pad, eos).
+TOP_OUTPUTS = ("top_log_probs", "top_ids")
+TOP_CANDIDATES = 34
+
+
 def decoder_io(layers: int) -> tuple[list[str], list[str]]:
     inputs = ["input_ids", "position_ids", "self_attention_mask", "encoder_attention_mask"]
     for layer in range(layers):

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from tfserve.generation import numpy_pool
-from tfserve.manifest import Manifest, decoder_io, encoder_io
+from tfserve.generation import StepOutput, numpy_pool
+from tfserve.manifest import TOP_OUTPUTS, Manifest, decoder_io, encoder_io
 from tfserve.tokenizer import Tokenizer
 
 OPTIMIZATION_LEVELS = {
@@ -130,6 +130,11 @@ class Runtime:
         self.float_dtype = np.float16 if self.manifest.dtype == "fp16" else np.float32
         self.encoder_inputs, self.encoder_outputs = encoder_io(cfg.decoder_layers)
         self.decoder_inputs, self.decoder_outputs = decoder_io(cfg.decoder_layers)
+        # the optional outputs of graph revision 2; older exports run without them
+        graph_outputs = {output.name for output in self.decoder.get_outputs()}
+        self.top_outputs = [name for name in TOP_OUTPUTS if name in graph_outputs]
+        if len(self.top_outputs) != len(TOP_OUTPUTS):
+            self.top_outputs = []
         self.layers = cfg.decoder_layers
         self.vocab_size = cfg.vocab_size
         self.eos_token_id = cfg.eos_token_id
@@ -191,6 +196,20 @@ class Runtime:
         cross: list[Any],
     ) -> tuple[np.ndarray, list[Any]]:
         """One step -> logits float32 [B,T,V] and the present cache [k_0, v_0, ...]."""
+        out = self.step(input_ids, position_ids, self_attention_mask, encoder_attention_mask,
+                        past, cross)
+        return out.logits, out.present
+
+    def step(
+        self,
+        input_ids: np.ndarray,
+        position_ids: np.ndarray,
+        self_attention_mask: np.ndarray,
+        encoder_attention_mask: np.ndarray,
+        past: list[Any],
+        cross: list[Any],
+    ) -> StepOutput:
+        """decode(), plus the graph's top candidates when it has them (graph revision 2)."""
         small = {
             "input_ids": _int64(input_ids),
             "position_ids": _int64(position_ids),
@@ -208,14 +227,21 @@ class Runtime:
             binding.bind_output("logits", "cpu")
             for name in self.decoder_outputs[1:]:
                 binding.bind_output(name, self.device_kind, self.device_index)
+            for name in self.top_outputs:
+                binding.bind_output(name, "cpu")
             self.decoder.run_with_iobinding(binding)
             outputs = binding.get_outputs()
-            return outputs[0].numpy().astype(np.float32, copy=False), list(outputs[1:])
+            cache_end = len(self.decoder_outputs)
+            return StepOutput(outputs[0].numpy().astype(np.float32, copy=False),
+                              list(outputs[1:cache_end]),
+                              *[value.numpy() for value in outputs[cache_end:]])
         feeds = dict(small)
         feeds.update(zip(past_names, past))
         feeds.update(zip(cross_names, cross))
-        logits, *present = self.decoder.run(self.decoder_outputs, feeds)
-        return logits.astype(np.float32, copy=False), present
+        logits, *rest = self.decoder.run(self.decoder_outputs + self.top_outputs, feeds)
+        cache_end = len(self.decoder_outputs) - 1
+        return StepOutput(logits.astype(np.float32, copy=False), rest[:cache_end],
+                          *rest[cache_end:])
 
     # -- cache rows (generation.Backend) ----------------------------------------------------
     # numpy arrays on the host; OrtValues on the device with device_cache (tfserve.cache_ops)
@@ -239,9 +265,24 @@ class Runtime:
         # 2L new arrays fault in in parallel (3-4x faster on 2 cores)
         return list(numpy_pool().map(fn, cache))
 
-    def take_rows(self, cache: Sequence[Any], index: np.ndarray) -> list[Any]:
+    def take_rows(self, cache: Sequence[Any], index: np.ndarray, reuse: bool = False
+                  ) -> list[Any]:
         if self.cache_ops:
             return self.cache_ops.take(self._device(cache), index)
+        rows = cache[0].shape[0] if len(cache) else 0
+        if reuse and len(index) == rows and all(t.flags.writeable for t in cache):
+            # a beam step keeps the row count and most rows keep their own history: copy only
+            # the rows whose parent is another row, in place (t[src] is gathered before the
+            # write, so overlapping moves are safe). Measured on beam 4 x 32 rows of an
+            # opus-mt-base-sized model: 8% faster per step than gathering every row anew.
+            moved = np.flatnonzero(index != np.arange(rows))
+            src = index[moved]
+
+            def move(t: np.ndarray) -> np.ndarray:
+                t[moved] = t[src]
+                return t
+
+            return self._each(move, cache) if len(moved) else list(cache)
         return self._each(lambda t: t[index], cache)  # fancy indexing: faster than np.take
 
     def concat_rows(self, caches: Sequence[Sequence[Any]]) -> list[Any]:
