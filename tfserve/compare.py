@@ -449,7 +449,7 @@ def build(work: Path, quick: bool, hf_dir: Path | None, sentences: int) -> dict[
                                 "--quiet", "--parity-samples", "0", *extra])
             if code:
                 raise SystemExit(f"python -m export --from-hf {checkpoint} failed ({code})")
-        step(name, (work / name / "model.json").is_file(), export)
+        step(name, exported_by_this_revision(work / name), export)
     for name, quantization in (("ct2-fp32", None), ("ct2-int8", "int8")):
         def convert(out: Path = work / name, quantization: str | None = quantization) -> None:
             import ctranslate2
@@ -468,6 +468,18 @@ def build(work: Path, quick: bool, hf_dir: Path | None, sentences: int) -> dict[
 
 
 # -- the parent -----------------------------------------------------------------------------
+
+
+def exported_by_this_revision(artifacts: Path) -> bool:
+    """An export in `artifacts` made by this tfserve's graph revision (older ones are redone:
+    the comparison is about the graphs this version makes)."""
+    from tfserve.manifest import GRAPH_REVISION
+
+    path = artifacts / "model.json"
+    if not path.is_file():
+        return False
+    provenance = json.loads(path.read_text(encoding="utf-8")).get("provenance", {})
+    return provenance.get("graph_revision") == GRAPH_REVISION
 
 
 def child_env(threads: int) -> dict[str, str]:
