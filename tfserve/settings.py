@@ -89,7 +89,8 @@ _HELP = {
     "max_batch_size": "rows (beams and samples count one each) in the running decoder batch; "
                       "inputs per encoder run",
     "max_batch_tokens": "padded source tokens per encoder run",
-    "max_wait_ms": "how long an idle server waits for more inputs before running the encoder",
+    "max_wait_ms": ("how long queued inputs are gathered before joining a running batch; the "
+                    "least an emptied batch waits for its returning clients"),
     "max_queue": "requests that may wait for the model; more get RESOURCE_EXHAUSTED",
     "max_texts_per_request": "inputs per request",
     "max_message_bytes": "largest gRPC message received or sent",
