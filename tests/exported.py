@@ -62,10 +62,16 @@ def checkpoint(positions: str = "rope", norm: str = "pre", seed: int = 0,
     return directory
 
 
-@functools.cache
 def artifacts(positions: str = "rope", norm: str = "pre", seed: int = 0,
               quantize: str | None = None, favour_specials: bool = False) -> Path:
-    """`checkpoint(...)` exported (fp32, or int8 when quantize='int8')."""
+    """`checkpoint(...)` exported (fp32, or int8 when quantize='int8'), once per session."""
+    # one cache key per export however the arguments were spelled
+    return _artifacts(positions, norm, seed, quantize, favour_specials)
+
+
+@functools.cache
+def _artifacts(positions: str, norm: str, seed: int, quantize: str | None,
+               favour_specials: bool) -> Path:
     special = "-specials" if favour_specials else ""
     out = WORK / f"art-{positions}-{norm}-{seed}-{quantize or 'fp32'}{special}"
     source = checkpoint(positions, norm, seed, favour_specials)

@@ -206,15 +206,28 @@ class MultiHeadAttention(nn.Module):
         out = scaled_dot_product(q, k, v, blocked, self.head_dim ** -0.5)
         return self.out_proj(merge_heads(out))
 
-    def attend_fused(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+    def attend_fused(self, x: torch.Tensor, bias: torch.Tensor,
                      past: tuple[torch.Tensor, torch.Tensor] | None = None,
                      rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     cached: tuple[torch.Tensor, torch.Tensor] | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """attend() through FusedAttention (export only): k/v [B,T,D] new or [B,H,S,Dh] cached.
+        """Attention of x [B,T,D] through FusedAttention (export only).
 
+        Self-attention (cached None): keys and values from x, appended to `past` when given;
+        W_Q, W_K and W_V run as one [D, 3D] GEMM (one kernel and one activation quantization
+        instead of three). Cross-attention: `cached` K/V [B,H,S,Dh] from the encoder.
         Returns the output [B,T,D] and the keys/values attended over, each [B,H,len,Dh].
         """
-        q = self.q_proj(x)  # [B,T,D]
+        if cached is None:
+            weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+            biases = (self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)
+            joint = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
+            # [B,T,3D] -> 3 x [B,T,D]
+            q, k, v = F.linear(x, weight, joint).split(self.q_proj.out_features, dim=-1)
+            if rope is not None:  # keys are cached already rotated
+                k = merge_heads(apply_rope(split_heads(k, self.num_heads, self.head_dim), *rope))
+        else:
+            q, (k, v) = self.q_proj(x), cached
         if rope is not None:
             q = merge_heads(apply_rope(split_heads(q, self.num_heads, self.head_dim), *rope))
         past_k, past_v = past if past is not None else (None, None)
@@ -256,15 +269,6 @@ class Residual(nn.Module):
 # -- layers ---------------------------------------------------------------------------------
 
 
-def new_kv(attn: MultiHeadAttention, h: torch.Tensor,
-           rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of h [B,T,D] for the fused path, each [B,T,D] (keys rotated by RoPE)."""
-    k, v = attn.k_proj(h), attn.v_proj(h)
-    if rope is not None:
-        k = merge_heads(apply_rope(split_heads(k, attn.num_heads, attn.head_dim), *rope))
-    return k, v
-
-
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -279,8 +283,7 @@ class EncoderLayer(nn.Module):
         """mask: bool `blocked` [B,1,1,S], or its additive float bias for the fused path."""
         h = self.self_attn_res.normed_input(x)
         if mask.dtype != torch.bool:
-            k, v = new_kv(self.self_attn, h, rope)
-            attended = self.self_attn.attend_fused(h, k, v, mask, rope=rope)[0]
+            attended = self.self_attn.attend_fused(h, mask, rope=rope)[0]
         else:
             k, v = self.self_attn.project_kv(h)
             if rope is not None:
@@ -313,12 +316,10 @@ class DecoderLayer(nn.Module):
         """Masks: bool `blocked` ones, or their additive float biases for the fused path."""
         h = self.self_attn_res.normed_input(x)
         if self_blocked.dtype != torch.bool:
-            k_new, v_new = new_kv(self.self_attn, h, rope)  # [B,T,D]
-            attended, k, v = self.self_attn.attend_fused(h, k_new, v_new, self_blocked, past,
-                                                         rope)
+            attended, k, v = self.self_attn.attend_fused(h, self_blocked, past, rope)
             x = self.self_attn_res.combine(x, attended)
             h = self.cross_attn_res.normed_input(x)
-            attended = self.cross_attn.attend_fused(h, cross[0], cross[1], cross_blocked)[0]
+            attended = self.cross_attn.attend_fused(h, cross_blocked, cached=cross)[0]
         else:
             k_new, v_new = self.self_attn.project_kv(h)  # [B,H,T,Dh]
             if rope is not None:
