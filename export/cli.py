@@ -120,7 +120,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import onnx
     import torch
 
-    from export.graphs import SUPPORTED_OPSETS, export_graphs, quantize_int8
+    from export.graphs import (
+        SUPPORTED_OPSETS,
+        export_graphs,
+        quantize_int8,
+        store_weights_externally,
+    )
     from export.sources import load_source
     from export.verify import verify
     from tfserve.manifest import GRAPH_REVISION, Manifest
@@ -133,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ExportError("--quantize int8 needs --dtype fp32")
     if args.parity_samples < 0:
         raise ExportError(f"--parity-samples must be >= 0, got {args.parity_samples}")
-    progress = Progress(6 if args.quantize else 5, args.quiet)
+    progress = Progress(7 if args.quantize else 6, args.quiet)
 
     with progress.step("loading checkpoint"):
         source = load_source(checkpoint=args.checkpoint, hf_dir=args.from_hf)
@@ -158,6 +163,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.quantize:
             with progress.step("int8 dynamic quantization"):
                 quantize_int8(staging, ["encoder.onnx", "decoder.onnx"])
+        with progress.step("weights into encoder.onnx.data / decoder.onnx.data"):
+            store_weights_externally(staging, ["encoder.onnx", "decoder.onnx"])
         for name in source.tokenizer_files:
             shutil.copy2(source.directory / name, staging / name)
         manifest = Manifest(

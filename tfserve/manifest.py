@@ -22,8 +22,9 @@ from tfserve.tokenizer import TokenizerSpec
 
 FORMAT_VERSION = 1
 # How export builds the graphs behind the same interface (2: fused attention, fusable
-# reshapes); an exported demo made by an older revision is re-exported on first use.
-GRAPH_REVISION = 2
+# reshapes, top candidates; 3: one Q/K/V GEMM; 4: weights in external data files); an
+# exported demo made by an older revision is re-exported on first use.
+GRAPH_REVISION = 4
 MANIFEST_FILE = "model.json"
 
 
@@ -67,6 +68,9 @@ class Manifest:
     opset: int = 17
     encoder_file: str = "encoder.onnx"
     decoder_file: str = "decoder.onnx"
+    # the graphs' external weights ("" for exports that kept them inside the .onnx files)
+    encoder_data: str = "encoder.onnx.data"
+    decoder_data: str = "decoder.onnx.data"
     parity: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
@@ -87,8 +91,10 @@ class Manifest:
             },
             "tokenizer": self.tokenizer.to_dict(),
             "graphs": {
-                "encoder": {"file": self.encoder_file, "inputs": enc_in, "outputs": enc_out},
-                "decoder": {"file": self.decoder_file, "inputs": dec_in, "outputs": dec_out},
+                "encoder": {"file": self.encoder_file, "data": self.encoder_data,
+                            "inputs": enc_in, "outputs": enc_out},
+                "decoder": {"file": self.decoder_file, "data": self.decoder_data,
+                            "inputs": dec_in, "outputs": dec_out},
             },
             "opset": self.opset,
             "dtype": self.dtype,
@@ -128,6 +134,8 @@ class Manifest:
                 opset=int(data.get("opset", 17)),
                 encoder_file=data["graphs"]["encoder"]["file"],
                 decoder_file=data["graphs"]["decoder"]["file"],
+                encoder_data=data["graphs"]["encoder"].get("data", ""),
+                decoder_data=data["graphs"]["decoder"].get("data", ""),
                 parity=data.get("parity", {}),
                 provenance=data.get("provenance", {}),
             )
@@ -139,7 +147,9 @@ class Manifest:
             raise ManifestError(f"{path}: {exc}") from exc
         if manifest.dtype not in ("fp32", "fp16"):
             raise ManifestError(f"{path}: dtype must be fp32 or fp16, got {manifest.dtype!r}")
-        for name in (manifest.encoder_file, manifest.decoder_file, *manifest.tokenizer.files()):
-            if not (directory / name).is_file():
+        graph_files = (manifest.encoder_file, manifest.decoder_file, manifest.encoder_data,
+                       manifest.decoder_data)
+        for name in (*graph_files, *manifest.tokenizer.files()):
+            if name and not (directory / name).is_file():
                 raise ManifestError(f"{path} names {name}, which is missing from {directory}")
         return manifest
