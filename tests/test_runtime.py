@@ -439,28 +439,3 @@ def test_graph_top_candidates_equal_eager_ones() -> None:
     np.testing.assert_array_equal(got.top_ids, ref.top_ids)
     np.testing.assert_allclose(got.top_log_probs, ref.top_log_probs, atol=1e-5)
     assert (np.diff(got.top_log_probs, axis=-1) <= 0).all()  # best first
-
-
-def test_present_buffers_alternate_and_are_reused_across_loops() -> None:
-    """A step's present never aliases its past; a finished loop's buffers serve the next."""
-    import gc
-
-    from tfserve.generation import Workspace
-    from tfserve.runtime import PresentBuffers
-
-    buffers = PresentBuffers(2)
-    past = [np.zeros((3, 2, 0, 4), np.float32)] * 2
-    for length in range(1, 12):
-        present = buffers.views((3, 2, length, 4), np.float32, past)
-        assert all(not np.may_share_memory(p, q) for p, q in zip(present, past))
-        past = present
-    runtime = Runtime(artifacts("rope", "pre"))
-    _, (ids, mask) = mixed_batch(runtime, [4, 7])
-    options = DecodingOptions(max_new_tokens=6, num_beams=2)
-    first = generate(runtime, ids, mask, options)
-    gc.collect()
-    assert len(runtime._pool) == 1  # the finished loop gave its buffers back
-    lent = runtime._pool[0]
-    assert generate(runtime, ids, mask, options) == first
-    workspace = Workspace()
-    assert runtime._buffers(workspace) is lent

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from tfserve.generation import StepOutput, Workspace
+from tfserve.generation import StepOutput
 from tfserve.manifest import TOP_CANDIDATES
 from tfserve.model import KVCache, Seq2SeqTransformer
 
@@ -68,10 +68,8 @@ class EagerBackend:
         encoder_attention_mask: np.ndarray,
         past: KVCache,
         cross: KVCache,
-        workspace: Workspace | None = None,
     ) -> StepOutput:
-        """decode() plus the top candidates, as the exported decoder graph computes them
-        (workspace: unused, the torch caching allocator already reuses memory)."""
+        """decode() plus the top candidates, as the exported decoder graph computes them."""
         logits, present = self.model.decode_step(
             self._tensor(input_ids),
             self._tensor(position_ids),
@@ -89,8 +87,7 @@ class EagerBackend:
     def empty_past(self, rows: int) -> KVCache:
         return self.model.empty_cache(rows, self.device)
 
-    def take_rows(self, cache: KVCache, index: np.ndarray,
-                  workspace: Workspace | None = None) -> KVCache:
+    def take_rows(self, cache: KVCache, index: np.ndarray, reuse: bool = False) -> KVCache:
         rows = torch.from_numpy(index).to(self.device)
         return [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in cache]
 

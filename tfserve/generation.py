@@ -42,14 +42,6 @@ class StepOutput(NamedTuple):
     top_ids: np.ndarray | None = None
 
 
-class Workspace:
-    """What a backend keeps for one decoding loop between its steps (reusable buffers).
-
-    Backends attach attributes; the loop only passes it along. A backend may watch it with
-    weakref.finalize to take its buffers back when the loop is gone.
-    """
-
-
 class Backend(Protocol):
     """What the search needs from a model: an encoder, one decoder step, cache row ops."""
 
@@ -81,22 +73,16 @@ class Backend(Protocol):
         encoder_attention_mask: np.ndarray,
         past: Cache,
         cross: Cache,
-        workspace: Workspace | None = None,
     ) -> StepOutput:
-        """decode(), plus each position's top candidates where the backend has them.
-
-        workspace: the decoding loop's; the present cache returned may live in buffers the
-        backend keeps there."""
+        """decode(), plus each position's top candidates where the backend has them."""
 
     def empty_past(self, rows: int) -> Cache:
         """A self-attention cache of length 0 for `rows` rows."""
 
-    def take_rows(self, cache: Cache, index: np.ndarray,
-                  workspace: Workspace | None = None) -> Cache:
+    def take_rows(self, cache: Cache, index: np.ndarray, reuse: bool = False) -> Cache:
         """Rows `index` of every tensor (axis 0): reorder, duplicate or drop rows.
 
-        workspace: the loop's (see `step`) when `cache` is its latest present: the result
-        may then go into the workspace's buffers.
+        reuse: the caller hands `cache` over, so its storage may be rewritten in place.
         """
 
     def concat_rows(self, caches: Sequence[Cache]) -> Cache:
@@ -577,8 +563,6 @@ class DecodeBatch:
     # decide greedy and beam rows from the backend's top candidates when it has them (off:
     # always from the full logits; both give the same tokens, see tests/test_runtime.py)
     use_top_candidates: bool = True
-    # the backend's buffers for this loop (Backend.step's workspace)
-    workspace: Workspace = field(default_factory=Workspace)
 
     @property
     def rows(self) -> int:
@@ -648,7 +632,6 @@ class DecodeBatch:
             self.encoder_attention_mask,
             self.past,
             self.cross,
-            self.workspace,
         )
         self.steps += 1
         self.past = out.present
@@ -730,7 +713,8 @@ class DecodeBatch:
             return
         identity = len(index) == previous_rows and bool((index == np.arange(previous_rows)).all())
         if not identity:
-            self.past = self.backend.take_rows(self.past, index, self.workspace)
+            # the past is always this batch's own (a fresh present, or made by add/remove)
+            self.past = self.backend.take_rows(self.past, index, reuse=True)
             self.self_attention_mask = self.self_attention_mask[index]
             if not same_sources:
                 self.cross = self.backend.take_rows(self.cross, index)

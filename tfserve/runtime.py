@@ -17,8 +17,6 @@ joining or leaving) run on the device too (tfserve.cache_ops).
 from __future__ import annotations
 
 import os
-import threading
-import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from tfserve.generation import StepOutput, Workspace, numpy_pool
+from tfserve.generation import StepOutput, numpy_pool
 from tfserve.manifest import TOP_OUTPUTS, Manifest, decoder_io, encoder_io
 from tfserve.tokenizer import Tokenizer
 
@@ -147,8 +145,6 @@ class Runtime:
         self.max_target_positions = cfg.max_target_positions
         self.max_source_positions = cfg.max_source_positions
         self.device_cache = self.device_kind == "cuda" if device_cache is None else device_cache
-        self._pool: list[PresentBuffers] = []  # present buffers of finished loops
-        self._pool_lock = threading.Lock()
         self.cache_ops = None
         if self.device_cache:
             from tfserve.cache_ops import DeviceCacheOps
@@ -214,15 +210,8 @@ class Runtime:
         encoder_attention_mask: np.ndarray,
         past: list[Any],
         cross: list[Any],
-        workspace: Workspace | None = None,
     ) -> StepOutput:
-        """decode(), plus the graph's top candidates when it has them (graph revision 2).
-
-        workspace: the decoding loop's (generation.DecodeBatch). On the host path the
-        present cache is then written into two buffers per tensor, used in turn
-        (PresentBuffers, lent to the workspace from this runtime's pool), instead of ONNX
-        Runtime's arena.
-        """
+        """decode(), plus the graph's top candidates when it has them (graph revision 2)."""
         small = {
             "input_ids": _int64(input_ids),
             "position_ids": _int64(position_ids),
@@ -251,48 +240,10 @@ class Runtime:
         feeds = dict(small)
         feeds.update(zip(past_names, past))
         feeds.update(zip(cross_names, cross))
-        if workspace is not None:
-            return self._step_into(feeds, past, input_ids.shape[1], workspace)
         logits, *rest = self.decoder.run(self.decoder_outputs + self.top_outputs, feeds)
         cache_end = len(self.decoder_outputs) - 1
         return StepOutput(logits.astype(np.float32, copy=False), rest[:cache_end],
                           *rest[cache_end:])
-
-    def _buffers(self, workspace: Workspace) -> PresentBuffers:
-        """The workspace's present buffers: from the pool, given back when it is collected
-        (so the next loop reuses memory already faulted in instead of growing the heap)."""
-        buffers = getattr(workspace, "present", None)
-        if buffers is None:
-            with self._pool_lock:
-                buffers = self._pool.pop() if self._pool else PresentBuffers(2 * self.layers)
-            workspace.present = buffers  # type: ignore[attr-defined]
-            weakref.finalize(workspace, self._give_back, buffers)
-        return buffers
-
-    def _give_back(self, buffers: PresentBuffers) -> None:
-        with self._pool_lock:
-            self._pool.append(buffers)
-
-    def _step_into(self, feeds: dict[str, np.ndarray], past: list[Any], new_len: int,
-                   workspace: Workspace) -> StepOutput:
-        """One host step whose present K/V land in the workspace's buffers (IO binding)."""
-        buffers = self._buffers(workspace)
-        rows, heads, past_len, head_dim = past[0].shape
-        present = buffers.views((rows, heads, past_len + new_len, head_dim),
-                                self.float_dtype, past)
-        binding = self.decoder.io_binding()
-        for name, value in feeds.items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        binding.bind_output("logits", "cpu")
-        for name, view in zip(self.decoder_outputs[1:], present):
-            binding.bind_output(name, "cpu", 0, view.dtype, list(view.shape),
-                                view.ctypes.data)
-        for name in self.top_outputs:
-            binding.bind_output(name, "cpu")
-        self.decoder.run_with_iobinding(binding)
-        outputs = binding.get_outputs()
-        tops = [value.numpy() for value in outputs[len(self.decoder_outputs):]]
-        return StepOutput(outputs[0].numpy().astype(np.float32, copy=False), present, *tops)
 
     # -- cache rows (generation.Backend) ----------------------------------------------------
     # numpy arrays on the host; OrtValues on the device with device_cache (tfserve.cache_ops)
@@ -325,22 +276,24 @@ class Runtime:
             return [fn(t) for t in cache]
         return list(numpy_pool().map(fn, cache))
 
-    def take_rows(self, cache: Sequence[Any], index: np.ndarray,
-                  workspace: Workspace | None = None) -> list[Any]:
+    def take_rows(self, cache: Sequence[Any], index: np.ndarray, reuse: bool = False
+                  ) -> list[Any]:
         if self.cache_ops:
             return self.cache_ops.take(self._device(cache), index)
-        buffers = getattr(workspace, "present", None)
-        if buffers is not None and len(cache):
-            # gathered into the buffer of each pair that does not hold `cache` (its other
-            # half is the past the step just consumed): no fresh memory per step. mode="clip"
-            # lets numpy write straight into `out` (the default mode buffers the result)
-            rows, heads, length, head_dim = cache[0].shape
-            targets = buffers.views((len(index), heads, length, head_dim), cache[0].dtype,
-                                    cache)
-            return self._each(lambda pair: np.take(pair[0], index, axis=0, out=pair[1],
-                                                   mode="clip"),
-                              list(zip(cache, targets)),
-                              sum(t.nbytes for t in cache))
+        rows = cache[0].shape[0] if len(cache) else 0
+        if reuse and len(index) == rows and all(t.flags.writeable for t in cache):
+            # a beam step keeps the row count and most rows keep their own history: copy only
+            # the rows whose parent is another row, in place (t[src] is gathered before the
+            # write, so overlapping moves are safe). Measured on beam 4 x 32 rows of an
+            # opus-mt-base-sized model: 8% faster per step than gathering every row anew.
+            moved = np.flatnonzero(index != np.arange(rows))
+            src = index[moved]
+
+            def move(t: np.ndarray) -> np.ndarray:
+                t[moved] = t[src]
+                return t
+
+            return self._each(move, cache) if len(moved) else list(cache)
         return self._each(lambda t: t[index], cache)  # fancy indexing: faster than np.take
 
     def concat_rows(self, caches: Sequence[Sequence[Any]]) -> list[Any]:
@@ -376,41 +329,6 @@ class Runtime:
         if self.cache_ops:
             return self.cache_ops.slice_time(self._device(cache), start, stop)
         return self._each(lambda t: np.ascontiguousarray(t[:, :, start:stop]), cache)
-
-
-class PresentBuffers:
-    """Where a decoding loop's present K/V go on the host: two flat buffers per tensor.
-
-    Each step writes its present cache into the buffer of each pair that does not hold the
-    step's past, so the cache is never copied into fresh memory: without this, ONNX Runtime
-    allocates a present one position longer than any earlier one from its arena at every
-    step, and the freed smaller blocks fragment it (beam 4 x 32 rows of an opus-mt-base-sized
-    model: +12 MiB per step for 6 MiB of cache growth). Buffers grow by GROW_POSITIONS cache
-    positions at a time and are reused whatever the row count.
-
-    The views handed out alias the buffers: they stay valid until the step after next
-    (generation.DecodeBatch keeps only the latest present, and copies what it keeps longer).
-    """
-
-    GROW_POSITIONS = 8
-
-    def __init__(self, tensors: int) -> None:
-        self.pairs: list[list[np.ndarray | None]] = [[None, None] for _ in range(tensors)]
-
-    def views(self, shape: tuple[int, int, int, int], dtype: Any,
-              past: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """One [R,H,P+T,Dh] array per tensor, not sharing memory with that tensor's past."""
-        rows, heads, length, head_dim = shape
-        needed = rows * heads * length * head_dim
-        out = []
-        for pair, old in zip(self.pairs, past):
-            slot = 1 if pair[0] is not None and np.may_share_memory(pair[0], old) else 0
-            flat = pair[slot]
-            if flat is None or flat.size < needed or flat.dtype != dtype:
-                spare = rows * heads * self.GROW_POSITIONS * head_dim
-                flat = pair[slot] = np.empty(needed + spare, dtype)
-            out.append(flat[:needed].reshape(shape))  # [R,H,P+T,Dh], contiguous
-        return out
 
 
 def _int64(array: np.ndarray) -> np.ndarray:
