@@ -439,3 +439,29 @@ def test_graph_top_candidates_equal_eager_ones() -> None:
     np.testing.assert_array_equal(got.top_ids, ref.top_ids)
     np.testing.assert_allclose(got.top_log_probs, ref.top_log_probs, atol=1e-5)
     assert (np.diff(got.top_log_probs, axis=-1) <= 0).all()  # best first
+
+
+def test_length_groups_is_the_cheapest_split_within_limits() -> None:
+    """Encoder batches: every index once, limits kept, and no contiguous split of the sorted
+    lengths is cheaper (brute force over all cut sets of 9 items)."""
+    from tfserve.translator import length_groups
+
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        lengths = rng.integers(1, 60, size=9).tolist()
+        groups = length_groups(lengths, max_rows=4, max_tokens=150, call_tokens=20)
+        assert sorted(i for g in groups for i in g) == list(range(9))
+
+        def cost(parts: list, lengths: list[int] = lengths) -> float:
+            return sum(len(p) * max(lengths[i] for i in p) + 20 for p in parts)
+
+        for group in groups:
+            assert len(group) <= 4 and len(group) * max(lengths[i] for i in group) <= 150
+        order = sorted(range(9), key=lambda i: lengths[i])
+        best = min(
+            cost(parts) for cuts in itertools.product([0, 1], repeat=8)
+            for parts in [np.split(np.array(order), [k + 1 for k, c in enumerate(cuts) if c])]
+            if all(len(p) <= 4 and len(p) * max(lengths[i] for i in p) <= 150 for p in parts)
+        )
+        assert cost(groups) == best
+    assert length_groups([500, 3], 32, 100) == [[1], [0]]  # one over-long text still runs alone

@@ -41,7 +41,7 @@ import numpy as np
 
 from tfserve.generation import Backend, DecodeBatch, DecodingOptions, Hypothesis, make_search
 from tfserve.metrics import Metrics
-from tfserve.translator import POOLINGS, encoder_hidden_states, pool
+from tfserve.translator import POOLINGS, encoder_hidden_states, length_groups, pool
 
 log = logging.getLogger("tfserve.scheduler")
 
@@ -388,7 +388,7 @@ class Scheduler:
         expected = 1
         oldest = min(queue[0].job.submitted for queue in (self._translate_queue,
                                                            self._encode_queue) if queue)
-        bound = max(self.config.max_wait_ms / 1000.0, self._step_seconds)
+        bound = max(self.config.max_wait_ms / 1000.0, 4 * self._step_seconds)
         if oldest - self._idle_since < bound:  # the first newcomer came right after the batch
             expected = self._returning_rows
         if queued >= min(expected, self.config.max_batch_size):
@@ -456,20 +456,11 @@ class Scheduler:
             self._step()
 
     def _chunks(self, items: list[_Item]) -> list[list[_Item]]:
-        """Length-sorted encoder batches within max_batch_size rows and max_batch_tokens."""
-        chunks: list[list[_Item]] = []
-        current: list[_Item] = []
-        for item in sorted(items, key=lambda it: len(it.source)):
-            # sorted ascending, so the newcomer sets the padded width of the chunk
-            width = len(item.source)
-            if current and (len(current) >= self.config.max_batch_size
-                            or (len(current) + 1) * width > self.config.max_batch_tokens):
-                chunks.append(current)
-                current = []
-            current.append(item)
-        if current:
-            chunks.append(current)
-        return chunks
+        """Length-sorted encoder batches within max_batch_size rows and max_batch_tokens,
+        cut where padding would cost more than another encoder call (length_groups)."""
+        groups = length_groups([len(item.source) for item in items],
+                               self.config.max_batch_size, self.config.max_batch_tokens)
+        return [[items[i] for i in group] for group in groups]
 
     def _pad(self, items: list[_Item]) -> tuple[np.ndarray, np.ndarray]:
         """Right-padded input_ids and attention_mask, int64 [B,S]."""

@@ -10,6 +10,7 @@ a ValueError naming the field and the limit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,38 @@ def encoder_hidden_states(backend: Backend, input_ids: np.ndarray,
     if only_hidden is not None:
         return only_hidden(input_ids, attention_mask)
     return np.asarray(backend.encode(input_ids, attention_mask)[0], dtype=np.float32)
+
+
+ENCODER_CALL_TOKENS = 32  # one more encoder call costs about this many padded tokens
+
+
+def length_groups(lengths: Sequence[int], max_rows: int, max_tokens: int,
+                  call_tokens: int = ENCODER_CALL_TOKENS) -> list[list[int]]:
+    """Indices of `lengths` split into encoder batches with the least padded work.
+
+    Sorted by length, then cut (dynamic programming over the cut points) to minimise
+    padded tokens (rows x longest) + call_tokens per batch, each batch within max_rows and
+    max_tokens padded tokens. One batch of 32 number phrases of 8 to 50 tokens pads to
+    1,600 tokens; cut in three it is about 1,000 (an opus-mt-base encoder: ~0.3 ms a token).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    count = len(order)
+    best = [0.0] + [math.inf] * count  # best[j]: cost of grouping the j shortest
+    cut = [0] * (count + 1)
+    for end in range(1, count + 1):
+        width = max(1, lengths[order[end - 1]])  # the longest of any group ending here
+        for start in range(end - 1, max(-1, end - 1 - max_rows), -1):
+            rows = end - start
+            if rows > 1 and rows * width > max_tokens:
+                break
+            cost = best[start] + rows * width + call_tokens
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    groups, end = [], count
+    while end > 0:
+        groups.append(order[cut[end]: end])
+        end = cut[end]
+    return groups[::-1]
 
 
 def check_texts(texts: Any, max_texts: int = DEFAULT_MAX_TEXTS) -> list[str]:
