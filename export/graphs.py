@@ -132,14 +132,19 @@ def export_graphs(model: Seq2SeqTransformer, directory: Path, opset: int,
         "input_ids": {0: "batch", 1: "new_len"},
         "position_ids": {0: "batch", 1: "new_len"},
         "self_attention_mask": {0: "batch", 1: "total_len"},
-        "encoder_attention_mask": {0: "batch", 1: "source_len"},
+        # its own name: with one row per group of rows (beams), Bc may differ from B, and a
+        # shared name would let ONNX Runtime's shape optimisations assume Bc == B
+        "encoder_attention_mask": {0: "cross_batch", 1: "source_len"},
         "logits": {0: "batch", 1: "new_len"},
         **{name: {0: "batch", 1: "new_len"} for name in TOP_OUTPUTS},
     }
     for name in enc_out[1:]:
         enc_axes[name] = {0: "batch", 2: "source_len"}
     for name in dec_in[4:]:
-        dec_axes[name] = {0: "batch", 2: "past_len" if name.startswith("past") else "source_len"}
+        if name.startswith("past"):
+            dec_axes[name] = {0: "batch", 2: "past_len"}
+        else:
+            dec_axes[name] = {0: "cross_batch", 2: "source_len"}
     for name in dec_out[1: 1 + 2 * layers]:
         dec_axes[name] = {0: "batch", 2: "total_len"}
 
@@ -154,7 +159,7 @@ def export_graphs(model: Seq2SeqTransformer, directory: Path, opset: int,
             torch.onnx.export(
                 module, args, str(path), input_names=names_in, output_names=names_out,
                 dynamic_axes=axes, opset_version=opset, dynamo=False, do_constant_folding=True,
-                custom_opsets={"com.microsoft": 1},
+                custom_opsets={"com.microsoft": 1} if fused else None,
             )
     return encoder_path, decoder_path
 

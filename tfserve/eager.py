@@ -29,6 +29,7 @@ class EagerBackend:
         self.decoder_start_token_id = cfg.decoder_start_token_id
         self.max_target_positions = cfg.max_target_positions
         self.max_source_positions = cfg.max_source_positions
+        self.grouped_cross = True  # decode_step repeats grouped cross rows itself
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)

@@ -48,6 +48,8 @@ class Backend(Protocol):
     vocab_size: int
     eos_token_id: int
     pad_token_id: int  # never generated (as Marian's bad_words_ids), unless it is also eos
+    # decode/step accept cross K/V and encoder mask with B/G rows, row r using row r // G
+    grouped_cross: bool
     decoder_start_token_id: int
     max_target_positions: int
 
@@ -546,9 +548,13 @@ class DecodeBatch:
     """Rows of many searches decoded together, one token per step.
 
     Row bookkeeping (numpy): `position_ids` [R] of the next token, `self_attention_mask`
-    [R,P] over the cache, `encoder_attention_mask` [R,S]; the backend's `past` cache
-    [R,H,P,Dh] and `cross` cache [R,H,S,Dh] per layer. The members' rows are contiguous
-    blocks in member order.
+    [R,P] over the cache; the backend's `past` cache [R,H,P,Dh] per layer. The members'
+    rows are contiguous blocks in member order. The encoder side is kept once per member,
+    not per row: `cross` [M,H,S,Dh] per layer and `encoder_attention_mask` [M,S], so beams
+    never copy their sentence's K/V. When every member has the same number of rows G, the
+    decoder gets them as they are (grouped cross-attention, graph revision 5); otherwise
+    (or with older graphs) they are repeated to one per row for the step, and that copy is
+    kept until the layout changes.
     """
 
     backend: Backend
@@ -560,6 +566,7 @@ class DecodeBatch:
     position_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     last_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     steps: int = 0
+    _per_row: tuple | None = None  # (layout, cross, its rows repeated per decoder row, mask)
     # decide greedy and beam rows from the backend's top candidates when it has them (off:
     # always from the full logits; both give the same tokens, see tests/test_runtime.py)
     use_top_candidates: bool = True
@@ -608,30 +615,49 @@ class DecodeBatch:
 
     def remove(self, tags: set[Any]) -> list[Search]:
         """Drop the members with these tags (cancelled, expired) before the next step."""
-        keep_index, kept, removed, row = [], [], [], 0
-        for member in self.members:
+        keep_index, kept, kept_members, removed, row = [], [], [], [], 0
+        for position, member in enumerate(self.members):
             rows = range(row, row + member.search.rows)
             row += member.search.rows
             if member.tag in tags:
                 removed.append(member.search)
             else:
                 kept.append(member)
+                kept_members.append(position)
                 keep_index.extend(rows)
         if removed:
-            self._reorder(np.array(keep_index, np.int64), kept)
+            self._reorder(np.array(keep_index, np.int64), kept,
+                          np.array(kept_members, np.int64))
         return removed
+
+    def _cross_for_step(self) -> tuple[Cache, np.ndarray]:
+        """The cross K/V and encoder mask in the form the decoder takes this step."""
+        layout = tuple(member.search.rows for member in self.members)
+        grouped = getattr(self.backend, "grouped_cross", False)
+        if grouped and len(set(layout)) == 1:
+            return self.cross, self.encoder_attention_mask  # [M,...]: G rows per member
+        if layout == (1,) * len(layout):
+            return self.cross, self.encoder_attention_mask  # one row per member already
+        cached = self._per_row
+        if cached is None or cached[0] != layout or cached[1] is not self.cross:
+            index = np.repeat(np.arange(len(layout)), layout)  # member of each row
+            cached = self._per_row = (layout, self.cross,
+                                      self.backend.take_rows(self.cross, index),
+                                      self.encoder_attention_mask[index])
+        return cached[2], cached[3]
 
     def step(self) -> list[tuple[Any, Search]]:
         """Run one decoder step for every row; returns the members that finished."""
         if not self.members:
             return []
+        cross, encoder_attention_mask = self._cross_for_step()
         out = self.backend.step(
             self.last_tokens[:, None],  # [R,1]
             self.position_ids[:, None],  # [R,1]
             np.concatenate([self.self_attention_mask, np.ones((self.rows, 1), np.int64)], axis=1),
-            self.encoder_attention_mask,
+            encoder_attention_mask,
             self.past,
-            self.cross,
+            cross,
         )
         self.steps += 1
         self.past = out.present
@@ -648,9 +674,8 @@ class DecodeBatch:
             logits = out.logits[:, -1, :].astype(np.float32, copy=False)
             beam_k = max((m.search.candidates_per_row() for m in self.members), default=0)
             lse, best = score_rows(logits, banned, beam_k)  # [R], [R,k]
-        gather, tokens, kept, finished, row = [], [], [], [], 0
-        layout = [member.search.rows for member in self.members]
-        for member in self.members:
+        gather, tokens, kept, kept_members, finished, row = [], [], [], [], [], 0
+        for position, member in enumerate(self.members):
             rows = member.search.rows
             if top is not None:
                 parents, new_tokens = member.search.advance_candidates(
@@ -668,13 +693,12 @@ class DecodeBatch:
                 finished.append((member.tag, member.search))
             else:
                 kept.append(member)
+                kept_members.append(position)
         index = np.concatenate(gather) if gather else np.zeros(0, np.int64)
         self.position_ids = self.position_ids + 1
-        # beams only permute within their sentence: every row keeps its source, so the
-        # cross-attention K/V (the same for all rows of a sentence) need no copy
-        same_sources = len(kept) == len(self.members) and layout == [
-            m.search.rows for m in kept]
-        self._reorder(index, kept, same_sources)
+        # the encoder side is per member: it changes only when members leave
+        same_members = len(kept) == len(self.members)
+        self._reorder(index, kept, None if same_members else np.array(kept_members, np.int64))
         self.last_tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
         return finished
 
@@ -697,10 +721,10 @@ class DecodeBatch:
         return ids.astype(np.int64, copy=False), log_probs
 
     def _reorder(self, index: np.ndarray, members: list[_Member],
-                 same_sources: bool = False) -> None:
+                 member_index: np.ndarray | None) -> None:
         """Keep rows `index` (in that order) for `members`, trimming dead cache columns.
 
-        same_sources: row i keeps the source it had (only beams of a sentence were permuted).
+        member_index: which of the previous members `members` are (None: the same ones).
         """
         previous_rows = self.rows
         self.members = members
@@ -716,9 +740,9 @@ class DecodeBatch:
             # the past is always this batch's own (a fresh present, or made by add/remove)
             self.past = self.backend.take_rows(self.past, index, reuse=True)
             self.self_attention_mask = self.self_attention_mask[index]
-            if not same_sources:
-                self.cross = self.backend.take_rows(self.cross, index)
-                self.encoder_attention_mask = self.encoder_attention_mask[index]
+            if member_index is not None:
+                self.cross = self.backend.take_rows(self.cross, member_index)
+                self.encoder_attention_mask = self.encoder_attention_mask[member_index]
             self.position_ids = self.position_ids[index]
             if len(self.last_tokens) == previous_rows:
                 self.last_tokens = self.last_tokens[index]

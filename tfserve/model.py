@@ -228,11 +228,15 @@ class MultiHeadAttention(nn.Module):
                 k = merge_heads(apply_rope(split_heads(k, self.num_heads, self.head_dim), *rope))
         else:
             q, (k, v) = self.q_proj(x), cached
+            # a group's G rows become G*T query positions of its one K/V row
+            q = q.reshape(k.shape[0], -1, q.shape[-1])  # [B,T,D] -> [Bc,G*T,D]
         if rope is not None:
             q = merge_heads(apply_rope(split_heads(q, self.num_heads, self.head_dim), *rope))
         past_k, past_v = past if past is not None else (None, None)
         out, k, v = FusedAttention.apply(q, k, v, bias, past_k, past_v, self.num_heads,
                                          self.head_dim ** -0.5)
+        if cached is not None:
+            out = out.reshape(x.shape[0], x.shape[1], -1)  # [Bc,G*T,D] -> [B,T,D]
         return self.out_proj(out), k, v
 
 
@@ -267,6 +271,20 @@ class Residual(nn.Module):
 
 
 # -- layers ---------------------------------------------------------------------------------
+
+
+def rows_of_groups(rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Tensors with one row per group of G = rows / Bc consecutive rows, repeated to `rows`.
+
+    [Bc,...] -> [B,...]: the unfused path's form of grouped cross-attention (the fused op
+    instead lays a group's queries side by side and reads each K/V row once).
+    """
+    out = []
+    for t in tensors:
+        groups = t.shape[0]
+        t = t[:, None].expand(groups, rows // groups, *t.shape[1:])  # [Bc,G,...]
+        out.append(t.reshape(rows, *t.shape[2:]))  # [B,...]
+    return tuple(out)
 
 
 class EncoderLayer(nn.Module):
@@ -328,7 +346,9 @@ class DecoderLayer(nn.Module):
             v = torch.cat((past[1], v_new), dim=2)
             x = self.self_attn_res.combine(x, self.self_attn.attend(h, k, v, self_blocked, rope))
             h = self.cross_attn_res.normed_input(x)
-            attended = self.cross_attn.attend(h, cross[0], cross[1], cross_blocked)
+            cross_k, cross_v, blocked = rows_of_groups(h.shape[0], cross[0], cross[1],
+                                                       cross_blocked)
+            attended = self.cross_attn.attend(h, cross_k, cross_v, blocked)
         x = self.cross_attn_res.combine(x, attended)
         x = self.ffn_res.combine(x, self.ffn(self.ffn_res.normed_input(x)))
         return x, (k, v)
@@ -489,13 +509,17 @@ class Seq2SeqTransformer(nn.Module):
         key_pos = torch.arange(total_len, device=input_ids.device)  # [P+T]
         future = key_pos[None, :] > query_pos[:, None]  # [T,P+T] look-ahead
         self_blocked = (self_attention_mask[:, None, None, :] == 0) | future  # [B,1,T,P+T]
-        cross_blocked = encoder_attention_mask[:, None, None, :] == 0  # [B,1,1,S]
+        # the cross K/V and encoder mask may have one row per group of G consecutive rows
+        # (a beam search's rows share their sentence's): Bc = B / G rows
+        cross_blocked = encoder_attention_mask[:, None, None, :] == 0  # [Bc,1,1,S]
         if self.use_fused_attention:
-            # additive biases at the full [B,1,T,len] shapes the fused kernel takes
+            # additive biases at the full shapes the fused kernel takes: [B,1,T,P+T] and,
+            # with a group's queries side by side, [Bc,1,G*T,S]
             dtype = self.shared.weight.dtype
             self_blocked = blocked_to_bias(self_blocked, dtype)  # type: ignore[assignment]
+            group_queries = input_ids.shape[0] * new_len // encoder_attention_mask.shape[0]
             cross_blocked = blocked_to_bias(
-                cross_blocked.expand(-1, -1, new_len, -1), dtype)
+                cross_blocked.expand(-1, -1, group_queries, -1), dtype)
 
         x = self.decoder_embed(input_ids, position_ids)
         rope = self.rope(position_ids) if self.rope is not None else None

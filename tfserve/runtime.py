@@ -25,7 +25,13 @@ import numpy as np
 import onnxruntime as ort
 
 from tfserve.generation import StepOutput, numpy_pool
-from tfserve.manifest import TOP_OUTPUTS, Manifest, decoder_io, encoder_io
+from tfserve.manifest import (
+    GROUPED_CROSS_REVISION,
+    TOP_OUTPUTS,
+    Manifest,
+    decoder_io,
+    encoder_io,
+)
 from tfserve.tokenizer import Tokenizer
 
 POOL_MIN_BYTES = 4 << 20  # cache row operations below this total size run on one thread
@@ -138,6 +144,9 @@ class Runtime:
         if len(self.top_outputs) != len(TOP_OUTPUTS):
             self.top_outputs = []
         self.layers = cfg.decoder_layers
+        # the decoder takes cross K/V with one row per group of G rows (a sentence's beams)
+        revision = self.manifest.provenance.get("graph_revision", 1)
+        self.grouped_cross = revision >= GROUPED_CROSS_REVISION
         self.vocab_size = cfg.vocab_size
         self.eos_token_id = cfg.eos_token_id
         self.pad_token_id = cfg.pad_token_id
