@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from export.graphs import (
         SUPPORTED_OPSETS,
         export_graphs,
+        fused_attention_for,
         quantize_int8,
         store_weights_externally,
     )
@@ -154,8 +155,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     staging.chmod(0o777 & ~umask)
     try:
         float_dtype = torch.float16 if args.dtype == "fp16" else torch.float32
+        fused = fused_attention_for(float_dtype)
         with progress.step(f"tracing encoder and decoder (opset {args.opset}, {args.dtype})"):
-            export_graphs(model.to(float_dtype), staging, args.opset, float_dtype)
+            export_graphs(model.to(float_dtype), staging, args.opset, float_dtype, fused)
             model = model.float()
         with progress.step("onnx.checker"):
             for name in ("encoder.onnx", "decoder.onnx"):
@@ -179,7 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "source_sha256": sha256_of(source.weight_files),
                 "tfserve": __version__,
                 "graph_revision": GRAPH_REVISION,
-                "attention": "fused" if args.dtype == "fp32" else "standard ops",
+                "attention": "fused" if fused else "standard ops",
                 "torch": torch.__version__,
                 "onnx": onnx.__version__,
                 "onnxruntime": __import__("onnxruntime").__version__,

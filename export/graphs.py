@@ -106,16 +106,21 @@ def fused_attention(model: Seq2SeqTransformer, enabled: bool) -> Iterator[None]:
         model.use_fused_attention = before
 
 
+def fused_attention_for(float_dtype: torch.dtype) -> bool:
+    """Attention as com.microsoft.MultiHeadAttention nodes for fp32 graphs, whose kernel
+    ONNX Runtime has on CPU and CUDA; fp16 graphs keep standard ops, so they also run on CPU,
+    where that kernel is fp32 only."""
+    return float_dtype == torch.float32
+
+
 def export_graphs(model: Seq2SeqTransformer, directory: Path, opset: int,
                   float_dtype: torch.dtype = torch.float32,
                   fused: bool | None = None) -> tuple[Path, Path]:
     """Write encoder.onnx and decoder.onnx into directory; returns their paths.
 
-    fused: attention as com.microsoft.MultiHeadAttention nodes (default: for fp32 graphs,
-    whose kernel ONNX Runtime has on CPU and CUDA; fp16 graphs keep standard ops, so they also
-    run on CPU, where that kernel is fp32 only).
+    fused: trace attention as ONNX Runtime's fused op (default: fused_attention_for).
     """
-    fused = float_dtype == torch.float32 if fused is None else fused
+    fused = fused_attention_for(float_dtype) if fused is None else fused
     model = model.eval()
     layers = model.config.decoder_layers
     enc_in, enc_out = encoder_io(layers)

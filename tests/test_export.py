@@ -73,9 +73,9 @@ def test_step_parity_at_other_shapes(positions: str, norm: str) -> None:
                 tokens[:, 0] = 0  # decoder start
             positions_ids = np.arange(filled, filled + chunk)[None].repeat(batch, 0)
             self_mask = np.ones((batch, filled + chunk), np.int64)
-            logits_ref, past_ref = eager.decode(tokens, positions_ids, self_mask, mask, past_ref,
-                                                cross_ref)
-            logits, past = runtime.decode(tokens, positions_ids, self_mask, mask, past, cross)
+            logits_ref, past_ref = eager.step(tokens, positions_ids, self_mask, mask, past_ref,
+                                              cross_ref)[:2]
+            logits, past = runtime.step(tokens, positions_ids, self_mask, mask, past, cross)[:2]
             step = "first step" if filled == 0 else f"cached step P={filled} T={chunk}"
             diff = assert_close(logits, logits_ref, FP32_LOGITS_TOLERANCE, f"{step} {where}")
             MAX_SEEN["logits"] = max(MAX_SEEN["logits"], diff)
@@ -100,17 +100,17 @@ def test_rows_with_different_histories_match_rows_alone(positions: str) -> None:
     for row, h in enumerate(histories):
         row_cross = [c[row : row + 1] for c in cross]
         seq = np.array([tokens_per_row[row]], np.int64)
-        logits, _ = runtime.decode(seq, np.arange(h + 1)[None], np.ones((1, h + 1), np.int64),
-                                   mask[row : row + 1], runtime.empty_past(1), row_cross)
+        logits, _ = runtime.step(seq, np.arange(h + 1)[None], np.ones((1, h + 1), np.int64),
+                                 mask[row : row + 1], runtime.empty_past(1), row_cross)[:2]
         alone.append(logits[0, -1])
     # together: each row's history first goes into a shared cache, left-padded with holes
     pasts, self_mask = [], np.zeros((3, width), np.int64)
     for row, h in enumerate(histories):
         row_cross = [c[row : row + 1] for c in cross]
         if h:
-            _, present = runtime.decode(np.array([tokens_per_row[row][:h]]), np.arange(h)[None],
-                                        np.ones((1, h), np.int64), mask[row : row + 1],
-                                        runtime.empty_past(1), row_cross)
+            _, present = runtime.step(np.array([tokens_per_row[row][:h]]), np.arange(h)[None],
+                                      np.ones((1, h), np.int64), mask[row : row + 1],
+                                      runtime.empty_past(1), row_cross)[:2]
         else:
             present = runtime.empty_past(1)
         pasts.append(runtime.pad_time(present, width, left=True))
@@ -118,8 +118,8 @@ def test_rows_with_different_histories_match_rows_alone(positions: str) -> None:
     past = runtime.concat_rows(pasts)
     last = np.array([[t[-1]] for t in tokens_per_row], np.int64)
     positions_ids = np.array([[h] for h in histories], np.int64)
-    logits, _ = runtime.decode(last, positions_ids, np.concatenate(
-        [self_mask, np.ones((3, 1), np.int64)], 1), mask, past, cross)
+    logits, _ = runtime.step(last, positions_ids, np.concatenate(
+        [self_mask, np.ones((3, 1), np.int64)], 1), mask, past, cross)[:2]
     for row in range(3):
         assert_close(logits[row, -1], alone[row], 1e-4, f"row {row} ({positions})")
 

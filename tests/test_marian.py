@@ -342,8 +342,8 @@ def test_onnx_logits_match_transformers(name, checkpoints, hf_tokenizers, export
     _, cross = runtime.encode(ids, mask)
     rows, length = decoder_ids.shape
     positions = np.broadcast_to(np.arange(length), (rows, length))
-    got, _ = runtime.decode(decoder_ids.numpy(), positions, decoder_mask.numpy(), mask,
-                            runtime.empty_past(rows), cross)
+    got, _ = runtime.step(decoder_ids.numpy(), positions, decoder_mask.numpy(), mask,
+                          runtime.empty_past(rows), cross)[:2]
     keep = decoder_mask.numpy().astype(bool)
     diff = float(np.abs(got[keep] - expected[keep]).max())
     print(f"checkpoint {name}: ONNX Runtime max |logits diff| vs MarianMTModel {diff:.2e}")

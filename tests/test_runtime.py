@@ -199,8 +199,8 @@ def test_sampled_tokens_stay_inside_the_nucleus() -> None:
     runtime = Runtime(artifacts("rope", "pre"))
     _, (ids, mask) = mixed_batch(runtime, [4])
     _, cross = runtime.encode(ids, mask)
-    logits, _ = runtime.decode(np.array([[0]]), np.array([[0]]), np.ones((1, 1), np.int64),
-                               mask, runtime.empty_past(1), cross)
+    logits, _ = runtime.step(np.array([[0]]), np.array([[0]]), np.ones((1, 1), np.int64),
+                             mask, runtime.empty_past(1), cross)[:2]
     first = logits[0, -1].copy()
     first[0] = -np.inf
     allowed = set(np.flatnonzero(np.isfinite(filter_logits(first[None], 0, 0.5))[0]).tolist())

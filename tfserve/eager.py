@@ -47,20 +47,6 @@ class EagerBackend:
         return hidden.float().cpu().numpy()
 
     @torch.inference_mode()
-    def decode(
-        self,
-        input_ids: np.ndarray,
-        position_ids: np.ndarray,
-        self_attention_mask: np.ndarray,
-        encoder_attention_mask: np.ndarray,
-        past: KVCache,
-        cross: KVCache,
-    ) -> tuple[np.ndarray, KVCache]:
-        out = self.step(input_ids, position_ids, self_attention_mask, encoder_attention_mask,
-                        past, cross)
-        return out.logits, out.present
-
-    @torch.inference_mode()
     def step(
         self,
         input_ids: np.ndarray,
@@ -70,7 +56,7 @@ class EagerBackend:
         past: KVCache,
         cross: KVCache,
     ) -> StepOutput:
-        """decode() plus the top candidates, as the exported decoder graph computes them."""
+        """One decoder call, with the top candidates the exported decoder graph computes."""
         logits, present = self.model.decode_step(
             self._tensor(input_ids),
             self._tensor(position_ids),

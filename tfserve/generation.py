@@ -48,24 +48,13 @@ class Backend(Protocol):
     vocab_size: int
     eos_token_id: int
     pad_token_id: int  # never generated (as Marian's bad_words_ids), unless it is also eos
-    # decode/step accept cross K/V and encoder mask with B/G rows, row r using row r // G
+    # step accepts cross K/V and encoder mask with B/G rows, row r using row r // G
     grouped_cross: bool
     decoder_start_token_id: int
     max_target_positions: int
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[Any, Cache]:
         """input_ids/attention_mask int64 [B,S] -> (hidden states [B,S,D], cross K/V cache)."""
-
-    def decode(
-        self,
-        input_ids: np.ndarray,
-        position_ids: np.ndarray,
-        self_attention_mask: np.ndarray,
-        encoder_attention_mask: np.ndarray,
-        past: Cache,
-        cross: Cache,
-    ) -> tuple[np.ndarray, Cache]:
-        """One decoder call -> (logits float32 [B,T,V] as numpy, present cache)."""
 
     def step(
         self,
@@ -76,7 +65,8 @@ class Backend(Protocol):
         past: Cache,
         cross: Cache,
     ) -> StepOutput:
-        """decode(), plus each position's top candidates where the backend has them."""
+        """One decoder call: logits float32 [B,T,V] as numpy, the present cache, and each
+        position's top candidates where the backend has them."""
 
     def empty_past(self, rows: int) -> Cache:
         """A self-attention cache of length 0 for `rows` rows."""
@@ -634,10 +624,8 @@ class DecodeBatch:
         """The cross K/V and encoder mask in the form the decoder takes this step."""
         layout = tuple(member.search.rows for member in self.members)
         grouped = getattr(self.backend, "grouped_cross", False)
-        if grouped and len(set(layout)) == 1:
+        if len(set(layout)) == 1 and (grouped or layout[0] == 1):
             return self.cross, self.encoder_attention_mask  # [M,...]: G rows per member
-        if layout == (1,) * len(layout):
-            return self.cross, self.encoder_attention_mask  # one row per member already
         cached = self._per_row
         if cached is None or cached[0] != layout or cached[1] is not self.cross:
             index = np.repeat(np.arange(len(layout)), layout)  # member of each row

@@ -197,20 +197,6 @@ class Runtime:
 
     # -- decoder ----------------------------------------------------------------------------
 
-    def decode(
-        self,
-        input_ids: np.ndarray,
-        position_ids: np.ndarray,
-        self_attention_mask: np.ndarray,
-        encoder_attention_mask: np.ndarray,
-        past: list[Any],
-        cross: list[Any],
-    ) -> tuple[np.ndarray, list[Any]]:
-        """One step -> logits float32 [B,T,V] and the present cache [k_0, v_0, ...]."""
-        out = self.step(input_ids, position_ids, self_attention_mask, encoder_attention_mask,
-                        past, cross)
-        return out.logits, out.present
-
     def step(
         self,
         input_ids: np.ndarray,
@@ -220,7 +206,8 @@ class Runtime:
         past: list[Any],
         cross: list[Any],
     ) -> StepOutput:
-        """decode(), plus the graph's top candidates when it has them (graph revision 2)."""
+        """One step -> logits float32 [B,T,V], the present cache [k_0, v_0, ...] and the
+        graph's top candidates when it has them (graph revision 2)."""
         small = {
             "input_ids": _int64(input_ids),
             "position_ids": _int64(position_ids),

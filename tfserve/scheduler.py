@@ -379,7 +379,7 @@ class Scheduler:
         that follow it a moment later join the running batch at the next step). But when the
         batch has just emptied, its clients (closed-loop ones, whose outputs all ended on the
         same step) are sending their next requests: the worker waits until as many rows as
-        the batch held are queued, for at most max(max_wait_ms, one decoder step). Starting
+        the batch held are queued, for at most max(max_wait_ms, four decoder steps). Starting
         with the first few instead would split the wave into groups a step or more apart,
         each paying an encoder run and a copy of the whole cache to join, and leave rows
         empty while the answers of one group travel.
