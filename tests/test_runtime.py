@@ -389,6 +389,40 @@ def test_device_cache_rows_join_a_running_batch() -> None:
     assert results["host"] == results["device"]
 
 
+@pytest.mark.parametrize("device_cache", [False, True], ids=["host", "device"])
+def test_several_encoder_runs_join_at_once(device_cache: bool) -> None:
+    """DecodeBatch.join of several encoder runs (different source lengths, into an empty and
+    into a running batch) decodes every source as if it were alone."""
+    from tfserve.generation import DecodeBatch, Joining, make_search
+
+    runtime = Runtime(artifacts("rope", "pre"), device_cache=device_cache)
+    sources, _ = mixed_batch(runtime, [5, 3, 9, 2, 7, 4], seed=4)
+    options = DecodingOptions(max_new_tokens=8, num_beams=2).validate(100)
+    alone = {}
+    for tag, source in enumerate(sources):
+        ids, mask = runtime.tokenizer.pad_batch([source])
+        alone[tag] = [h.token_ids for h in generate(runtime, ids, mask, options)[0]]
+
+    def group(rows: list[int]) -> Joining:
+        ids, mask = runtime.tokenizer.pad_batch([sources[r] for r in rows])
+        _, cross = runtime.encode(ids, mask)
+        return Joining([make_search(options, runtime.eos_token_id,
+                                    runtime.decoder_start_token_id) for _ in rows],
+                       rows, cross, mask)
+
+    batch = DecodeBatch(runtime)
+    batch.join([group([0, 1]), group([2])])
+    out: dict[int, list] = {}
+    for step in range(30):
+        if step == 2:
+            batch.join([group([3]), group([4, 5])])
+        for tag, search in batch.step():
+            out[tag] = [h.token_ids for h in search.results()]
+        if not len(batch) and step > 2:
+            break
+    assert out == alone
+
+
 # -- the decoder graph's top candidates (graph revision 2) ------------------------------------
 
 

@@ -78,7 +78,10 @@ class EagerBackend:
         rows = torch.from_numpy(index).to(self.device)
         return [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in cache]
 
-    def concat_rows(self, caches: Sequence[KVCache]) -> KVCache:
+    def concat_rows(self, caches: Sequence[KVCache], length: int | None = None,
+                    left: bool = False) -> KVCache:
+        if length is not None:
+            caches = [self.pad_time(cache, length, left) for cache in caches]
         return [
             (torch.cat([c[i][0] for c in caches]), torch.cat([c[i][1] for c in caches]))
             for i in range(len(caches[0]))

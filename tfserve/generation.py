@@ -77,8 +77,11 @@ class Backend(Protocol):
         reuse: the caller hands `cache` over, so its storage may be rewritten in place.
         """
 
-    def concat_rows(self, caches: Sequence[Cache]) -> Cache:
-        """Rows of several caches stacked (axis 0); their time axes (2) must agree."""
+    def concat_rows(self, caches: Sequence[Cache], length: int | None = None,
+                    left: bool = False) -> Cache:
+        """Rows of several caches stacked (axis 0). Their time axes (2) must agree, unless
+        `length` is given: then each is zero-padded to it on the left or on the right (in the
+        same pass, where the backend can)."""
 
     def pad_time(self, cache: Cache, length: int, left: bool) -> Cache:
         """Zero-pad the time axis (2) to `length`, on the left or on the right."""
@@ -533,6 +536,16 @@ class _Member:
     encoder_rows: int = 0  # valid source tokens, for trimming the cross-attention time axis
 
 
+class Joining(NamedTuple):
+    """Searches joining a DecodeBatch together with their encoder run's outputs: one start row
+    each; `cross` [N,H,S,Dh] per layer and `encoder_attention_mask` [N,S]."""
+
+    searches: Sequence[Search]
+    tags: Sequence[Any]
+    cross: Cache
+    encoder_attention_mask: np.ndarray
+
+
 @dataclass
 class DecodeBatch:
     """Rows of many searches decoded together, one token per step.
@@ -571,37 +584,49 @@ class DecodeBatch:
     def add(self, searches: Sequence[Search], tags: Sequence[Any], cross: Cache,
             encoder_attention_mask: np.ndarray) -> None:
         """Join new searches (one start row each) with their encoder outputs [N,...]."""
-        count = len(searches)
-        if count == 0:
+        self.join([Joining(searches, tags, cross, encoder_attention_mask)])
+
+    def join(self, groups: Sequence[Joining]) -> None:
+        """Join the searches of several encoder runs at once: the running cache, the
+        newcomers' empty history and every group's cross K/V are each copied once (one
+        concatenation per tensor), not once per group."""
+        groups = [group for group in groups if len(group.searches)]
+        if not groups:
             return
-        if count != encoder_attention_mask.shape[0]:
-            raise ValueError("one encoder row per search is required")
-        new_past = self.backend.empty_past(count)
-        new_self_mask = np.zeros((count, 0), np.int64)
+        for group in groups:
+            if len(group.searches) != group.encoder_attention_mask.shape[0]:
+                raise ValueError("one encoder row per search is required")
+        count = sum(len(group.searches) for group in groups)
+        masks = [group.encoder_attention_mask.astype(np.int64, copy=False) for group in groups]
+        crosses = [group.cross for group in groups]
+        if self.rows:
+            masks.insert(0, self.encoder_attention_mask)
+            crosses.insert(0, self.cross)
+        src_len = max(mask.shape[1] for mask in masks)
+        backend = self.backend
+        # every member's cross K/V and mask padded on the right to the longest source
+        self.cross = (backend.pad_time(crosses[0], src_len, left=False) if len(crosses) == 1
+                      else backend.concat_rows(crosses, src_len, left=False))
+        masks = [_pad_right(mask, src_len) for mask in masks]
+        self.encoder_attention_mask = masks[0] if len(masks) == 1 else np.concatenate(masks)
+        new_past = backend.empty_past(count)
         if self.rows:
             # the newcomers have no history: holes (mask 0) where the others have a cache
             past_len = self.self_attention_mask.shape[1]
-            new_past = self.backend.pad_time(new_past, past_len, left=True)
-            new_self_mask = np.zeros((count, past_len), np.int64)
-            src_len = max(self.encoder_attention_mask.shape[1], encoder_attention_mask.shape[1])
-            self.cross = self.backend.pad_time(self.cross, src_len, left=False)
-            cross = self.backend.pad_time(cross, src_len, left=False)
-            self.encoder_attention_mask = _pad_right(self.encoder_attention_mask, src_len)
-            encoder_attention_mask = _pad_right(encoder_attention_mask, src_len)
-            self.past = self.backend.concat_rows([self.past, new_past])
-            self.cross = self.backend.concat_rows([self.cross, cross])
-            self.encoder_attention_mask = np.concatenate(
-                [self.encoder_attention_mask, encoder_attention_mask])
-            self.self_attention_mask = np.concatenate([self.self_attention_mask, new_self_mask])
+            self.past = backend.concat_rows([self.past, new_past], past_len, left=True)
+            self.self_attention_mask = np.concatenate(
+                [self.self_attention_mask, np.zeros((count, past_len), np.int64)])
         else:
-            self.past, self.cross = new_past, cross
-            self.encoder_attention_mask = encoder_attention_mask.astype(np.int64)
-            self.self_attention_mask = new_self_mask
-        for search, tag, valid in zip(searches, tags, encoder_attention_mask.sum(axis=1)):
-            self.members.append(_Member(search, tag, int(valid)))
+            self.past = new_past
+            self.self_attention_mask = np.zeros((count, 0), np.int64)
+        starts = []
+        for group in groups:
+            for search, tag, valid in zip(group.searches, group.tags,
+                                          group.encoder_attention_mask.sum(axis=1)):
+                self.members.append(_Member(search, tag, int(valid)))
+                starts.append(search.last_tokens[0])
         self.position_ids = np.concatenate([self.position_ids, np.zeros(count, np.int64)])
-        self.last_tokens = np.concatenate(
-            [self.last_tokens, np.array([s.last_tokens[0] for s in searches], np.int64)])
+        self.last_tokens = np.concatenate([self.last_tokens, np.array(starts, np.int64)])
 
     def remove(self, tags: set[Any]) -> list[Search]:
         """Drop the members with these tags (cancelled, expired) before the next step."""

@@ -292,14 +292,40 @@ class Runtime:
             return self._each(move, cache) if len(moved) else list(cache)
         return self._each(lambda t: t[index], cache)  # fancy indexing: faster than np.take
 
-    def concat_rows(self, caches: Sequence[Sequence[Any]]) -> list[Any]:
+    def concat_rows(self, caches: Sequence[Sequence[Any]], length: int | None = None,
+                    left: bool = False) -> list[Any]:
         if self.cache_ops:
+            if length is not None:
+                caches = [self.pad_time(cache, length, left) for cache in caches]
             joined = self._device(caches[0])
             for other in caches[1:]:
                 joined = self.cache_ops.concat(joined, self._device(other))
             return joined
-        return self._each(lambda i: np.concatenate([c[i] for c in caches], axis=0),
-                          range(len(caches[0])), sum(t.nbytes for c in caches for t in c))
+        if length is None:
+            return self._each(lambda i: np.concatenate([c[i] for c in caches], axis=0),
+                              range(len(caches[0])), sum(t.nbytes for c in caches for t in c))
+
+        def stack(i: int) -> np.ndarray:
+            # one pass: each part copied into its rows, only the padding zeroed (padding
+            # first and stacking after copied the whole cache twice)
+            first = caches[0][i]
+            rows = sum(c[i].shape[0] for c in caches)
+            out = np.empty((rows, first.shape[1], length, first.shape[3]), first.dtype)
+            row = 0
+            for cache in caches:
+                part = cache[i]
+                end, extra = row + part.shape[0], length - part.shape[2]
+                if left:
+                    out[row:end, :, :extra] = 0
+                    out[row:end, :, extra:] = part
+                else:
+                    out[row:end, :, : part.shape[2]] = part
+                    out[row:end, :, part.shape[2]:] = 0
+                row = end
+            return out
+
+        nbytes = sum(t.nbytes for c in caches for t in c)
+        return self._each(stack, range(len(caches[0])), nbytes)
 
     def pad_time(self, cache: Sequence[Any], length: int, left: bool) -> list[Any]:
         if self.cache_ops:

@@ -39,7 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from tfserve.generation import Backend, DecodeBatch, DecodingOptions, Hypothesis, make_search
+from tfserve.generation import (
+    Backend,
+    DecodeBatch,
+    DecodingOptions,
+    Hypothesis,
+    Joining,
+    make_search,
+)
 from tfserve.metrics import Metrics
 from tfserve.translator import POOLINGS, encoder_hidden_states, length_groups, pool
 
@@ -241,11 +248,11 @@ class Scheduler:
         self._stopping = False
         self._batch = DecodeBatch(backend)
         self._thread: threading.Thread | None = None
-        # what the last busy period looked like, for the idle worker's wait (_batching_wait)
+        # for the wait for company (_gather_deadline)
         self._step_seconds = 0.0  # running mean of recent decoder steps
-        self._busy_rows = 0  # most rows the batch held since it was last empty
-        self._returning_rows = 0  # rows of the busy period that just ended
-        self._idle_since = 0.0  # time.monotonic() when the batch last became empty
+        # (time.monotonic(), rows) of requests that finished, oldest first: their clients'
+        # next requests are likely on the way; admitted rows use them up, oldest first
+        self._freed: deque[tuple[float, int]] = deque(maxlen=1024)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -346,9 +353,6 @@ class Scheduler:
         while True:
             # rows of cancelled / expired requests leave first, so admission can reuse them
             self._drop_finished_rows()
-            if not len(self._batch) and self._busy_rows:  # a busy period just ended
-                self._returning_rows, self._busy_rows = self._busy_rows, 0
-                self._idle_since = time.monotonic()
             with self._cond:
                 while True:
                     if self._stopping:
@@ -372,28 +376,53 @@ class Scheduler:
                                  {item.job for item in translate_items + encode_items})
 
     def _batching_wait(self) -> float:
-        """Seconds an idle worker waits for more work before starting a batch (<= 0: now).
+        """Seconds the idle worker waits for more work before starting a batch (<= 0: now)."""
+        deadline = self._gather_deadline(time.monotonic())
+        return 0.0 if deadline is None else deadline - time.monotonic()
 
-        A request that finds the worker idle after a quiet spell starts at once: nothing says
-        company is coming, and waiting would only add to a lone request's latency (requests
-        that follow it a moment later join the running batch at the next step). But when the
-        batch has just emptied, its clients (closed-loop ones, whose outputs all ended on the
-        same step) are sending their next requests: the worker waits until as many rows as
-        the batch held are queued, for at most max(max_wait_ms, four decoder steps). Starting
-        with the first few instead would split the wave into groups a step or more apart,
-        each paying an encoder run and a copy of the whole cache to join, and leave rows
-        empty while the answers of one group travel.
+    def _gather_deadline(self, now: float) -> float | None:
+        """Until when queued requests wait for company before they are encoded and joined
+        (None: take them now). Under the lock.
+
+        Each join costs an encoder run per length group and a copy of the running cache, and
+        rows that join a step apart also finish a step apart. Closed-loop clients (a client
+        sends its next request when its answer arrives) whose outputs end on the same step
+        come back together, a round trip later; starting with the first few splits that wave
+        into groups a step or more apart, and the split lasts: each group then pays its own
+        encoder runs and joins, and steps run with rows missing. So when requests finished
+        recently (`_freed`), arrivals wait until as many rows are queued as finished, for at
+        most max(max_wait_ms, four decoder steps) after the oldest arrival. Otherwise a
+        request that finds the worker idle starts at once (a lone request never waits), and
+        arrivals at a running batch wait up to max_wait_ms to fill its free rows together.
         """
-        queued = sum(item.max_rows for item in self._translate_queue) + len(self._encode_queue)
-        expected = 1
-        oldest = min(queue[0].job.submitted for queue in (self._translate_queue,
-                                                           self._encode_queue) if queue)
+        queue = self._translate_queue
+        if not queue and not self._encode_queue:
+            return None
+        oldest = min(q[0].job.submitted for q in (queue, self._encode_queue) if q)
         bound = max(self.config.max_wait_ms / 1000.0, 4 * self._step_seconds)
-        if oldest - self._idle_since < bound:  # the first newcomer came right after the batch
-            expected = self._returning_rows
-        if queued >= min(expected, self.config.max_batch_size):
-            return 0.0
-        return oldest + bound - time.monotonic()
+        while self._freed and self._freed[0][0] < oldest - bound:
+            self._freed.popleft()  # too long ago to be what is arriving now
+        expected = sum(rows for _, rows in self._freed)
+        decoding = bool(len(self._batch))
+        free = self.config.max_batch_size - sum(m.tag.max_rows for m in self._batch.members)
+        queued = sum(item.max_rows for item in queue)
+        if not decoding:
+            queued += len(self._encode_queue)
+        if expected:
+            target = min(expected, free)
+        elif decoding:
+            target, bound = free, self.config.max_wait_ms / 1000.0
+        else:
+            return None
+        return oldest + bound if queued < target and now < oldest + bound else None
+
+    def _use_freed(self, rows: int) -> None:
+        """Admitted rows use up the oldest expected arrivals."""
+        while rows > 0 and self._freed:
+            at, expected = self._freed.popleft()
+            if expected > rows:
+                self._freed.appendleft((at, expected - rows))
+            rows -= expected
 
     def _take(self) -> tuple[list[_Item], list[_Item]]:
         """Under the lock: drop dead queued items, take what fits into the next iteration."""
@@ -417,13 +446,7 @@ class Scheduler:
             encode_items.append(self._encode_queue.popleft())
         translate_items = []
         reserved = sum(member.tag.max_rows for member in self._batch.members)
-        # while decoding, gather arrivals for up to max_wait_ms (or until they fill the free
-        # rows): each join costs an encoder run and a copy of the whole cache, so a few
-        # larger joins beat one join per step
-        gathering = bool(len(self._batch) and self._translate_queue) and (
-            sum(item.max_rows for item in self._translate_queue)
-            < self.config.max_batch_size - reserved
-            and now - self._translate_queue[0].job.submitted < self.config.max_wait_ms / 1000.0)
+        gathering = len(self._batch) and self._gather_deadline(now) is not None
         # FIFO without overtaking: a wide beam search at the head waits for rows to free up
         # rather than being starved by a stream of greedy requests behind it
         while (not gathering and self._translate_queue
@@ -431,6 +454,7 @@ class Scheduler:
             item = self._translate_queue.popleft()
             reserved += item.max_rows
             translate_items.append(item)
+        self._use_freed(sum(item.max_rows for item in translate_items))
         for item in encode_items + translate_items:
             self._admitted(item, now)
         return translate_items, encode_items
@@ -504,6 +528,7 @@ class Scheduler:
         now = time.monotonic()
         live = [item for item in items if item.finished_reason(now) is None]
         backend = self.backend
+        groups = []
         for chunk in self._chunks(live):
             input_ids, attention_mask = self._pad(chunk)
             try:
@@ -519,10 +544,15 @@ class Scheduler:
                 assert item.job.options is not None
                 searches.append(make_search(item.job.options, backend.eos_token_id,
                                             backend.decoder_start_token_id))
-            try:
-                self._batch.add(searches, chunk, cross, attention_mask)
-            except Exception as exc:  # the batch may be half-joined: start over
-                self._fail_batch("encode", exc, {item.job for item in chunk})
+            groups.append(Joining(searches, chunk, cross, attention_mask))
+        # one join for every chunk: each join copies the whole running cache, so a wave cut
+        # into 4 encoder batches joined one by one copied its cross K/V about 2.5 times
+        # (opus-mt-base, 32 rows: 60-90 ms a wave)
+        try:
+            self._batch.join(groups)
+        except Exception as exc:  # the batch may be half-joined: start over
+            self._fail_batch("encode", exc, {item.job for group in groups
+                                             for item in group.tags})
 
     def _drop_finished_rows(self) -> None:
         """Remove the rows of cancelled, expired and failed requests before the next step."""
@@ -570,7 +600,6 @@ class Scheduler:
         # a short memory: step times change with the batch's rows and cache length
         self._step_seconds = elapsed if not self._step_seconds else (
             0.8 * self._step_seconds + 0.2 * elapsed)
-        self._busy_rows = max(self._busy_rows, rows)
         self.stats.steps += 1
         self.stats.rows_stepped += rows
         self.metrics.decoder_steps.inc()
@@ -587,6 +616,7 @@ class Scheduler:
                     self._emit(item, StreamEvent(item.index, streamed, hypotheses))
             if search is not None:
                 self._item_done(item, search.results())
+                self._freed.append((time.monotonic(), item.max_rows))
 
     def _emit(self, item: _Item, event: StreamEvent) -> None:
         assert item.job.on_event is not None
