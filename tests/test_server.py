@@ -191,10 +191,19 @@ def test_token_id_input_and_request_id(client: Client, server: ServerThread,
         pb2.TranslateRequest(texts=["seven"], request_id="req-42",
                              options=pb2.DecodingOptions(max_new_tokens=2)))
     assert response.request_id == "req-42"
-    assert ("x-request-id", "req-42") in call.initial_metadata()
+    # unary calls echo the id in the trailers (no header write of their own)
+    assert ("x-request-id", "req-42") in call.trailing_metadata()
     response, call = stub.Translate.with_call(pb2.TranslateRequest(texts=["seven"]))
     assert len(response.request_id) == 32
-    assert ("x-request-id", response.request_id) in call.initial_metadata()
+    assert ("x-request-id", response.request_id) in call.trailing_metadata()
+    with pytest.raises(grpc.RpcError) as failed:
+        stub.Translate(pb2.TranslateRequest(texts=[], request_id="req-bad"))
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ("x-request-id", "req-bad") in failed.value.trailing_metadata()
+    # a stream sends it in its headers, before the first chunk
+    stream = stub.TranslateStream(pb2.TranslateRequest(texts=["seven"], request_id="req-7"))
+    assert ("x-request-id", "req-7") in stream.initial_metadata()
+    assert list(stream)
 
 
 def test_model_info(client: Client) -> None:
@@ -650,3 +659,19 @@ def test_serving_path_imports_no_torch() -> None:
                           env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
                           ).returncode == 0
 
+
+
+def test_keep_freed_memory_respects_the_operators_malloc_settings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc keeps freed blocks for the next join, unless MALLOC_* variables say otherwise."""
+    import platform
+
+    from tfserve.server import keep_freed_memory
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    assert keep_freed_memory() is False
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    for name in [n for n in os.environ if n.startswith("MALLOC_")]:
+        monkeypatch.delenv(name)
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert keep_freed_memory() is True

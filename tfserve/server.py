@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import hmac
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -106,9 +108,10 @@ class _Call:
     """One RPC: request id, deadline, in-flight count, metrics, access log, error status."""
 
     def __init__(self, server: TranslatorServer, rpc: str, request: Any,
-                 context: grpc.aio.ServicerContext) -> None:
+                 context: grpc.aio.ServicerContext, streaming: bool = False) -> None:
         self.server = server
         self.rpc = rpc
+        self.streaming = streaming
         self.context = context
         self.started = time.perf_counter()
         self.job: Job | None = None
@@ -127,14 +130,21 @@ class _Call:
             raise Draining("the server is shutting down; retry on another replica")
 
     async def send_metadata(self) -> None:
-        """Echo the request id in the response headers (once).
+        """Echo the request id in the response metadata (once).
 
-        Sent after the request is queued, not before: the headers are a write of their own,
-        and done first they would delay the model by a trip through the event loop.
+        A stream sends it in its headers, after the request is queued (the headers are a
+        write of their own, and done first they would delay the model by a trip through the
+        event loop). A unary call sends it in the trailers, which go out with the status: an
+        early header write cost the event loop 0.23 ms per request, 12% of its time at 32
+        demo clients.
         """
         if not self.metadata_sent:
             self.metadata_sent = True
-            await self.context.send_initial_metadata(((REQUEST_ID_KEY, self.request_id),))
+            metadata = ((REQUEST_ID_KEY, self.request_id),)
+            if self.streaming:
+                await self.context.send_initial_metadata(metadata)
+            else:
+                self.context.set_trailing_metadata(metadata)
 
     async def wait(self, job: Job) -> list[Any]:
         """The job's results; when the RPC is cancelled, the job is cancelled with it.
@@ -245,7 +255,7 @@ def streaming(rpc: str) -> Callable[[Callable[..., AsyncIterator[Any]]],
     def wrap(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
         async def handler(self: TranslatorService, request: Any,
                           context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            call = _Call(self.server, rpc, request, context)
+            call = _Call(self.server, rpc, request, context, streaming=True)
             try:
                 call.begin()
                 async for chunk in method(self, request, context, call):
@@ -755,10 +765,33 @@ async def serve(config: ServerConfig, runtime: Any | None = None) -> int:
     return 0
 
 
+def keep_freed_memory() -> bool:
+    """Let glibc keep freed memory for reuse instead of handing it back to the kernel.
+
+    The decoding loop allocates cache-sized arrays (tens of MB) at every join and row
+    reorder. By default glibc serves those with fresh mmap pages and returns them when freed,
+    so every join paid the page faults again: a 32-row join of an opus-mt-base-sized model
+    took 22 ms a wave instead of 8. Large blocks now come from the heap and freed memory
+    stays mapped (the RSS stays near its peak instead of falling back between waves). Skipped
+    when the operator set glibc's own MALLOC_* variables, or without glibc. Returns whether it
+    was applied.
+    """
+    if any(name.startswith("MALLOC_") for name in os.environ):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl, macOS)
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    return bool(libc.mallopt(m_mmap_threshold, 256 << 20)
+                and libc.mallopt(m_trim_threshold, 1 << 30))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m tfserve serve ...`; returns the exit code."""
     config = parse_config(argv)
     setup_logging(config.log_format, config.log_level)
+    keep_freed_memory()
     try:
         runtime = load_runtime(config)
         return asyncio.run(serve(config, runtime))
