@@ -499,3 +499,22 @@ def test_length_groups_is_the_cheapest_split_within_limits() -> None:
         )
         assert cost(groups) == best
     assert length_groups([500, 3], 32, 100) == [[1], [0]]  # one over-long text still runs alone
+
+
+def test_sessions_share_one_cpu_arena_without_changing_results() -> None:
+    """CPU sessions allocate from the process-wide arena; a session with its own arena
+    computes the same outputs."""
+    from tfserve.runtime import make_session
+
+    model = artifacts("rope", "pre")
+    shared = make_session(model / "encoder.onnx")
+    own = make_session(model / "encoder.onnx", shared_arena=False)
+    options = shared.get_session_options()
+    assert options.get_session_config_entry("session.use_env_allocators") == "1"
+    with pytest.raises(RuntimeError):  # never set
+        own.get_session_options().get_session_config_entry("session.use_env_allocators")
+    runtime = Runtime(model)
+    _, (ids, mask) = mixed_batch(runtime, [4, 9, 2])
+    feeds = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64)}
+    for a, b in zip(shared.run(None, feeds), own.run(None, feeds)):
+        np.testing.assert_array_equal(a, b)

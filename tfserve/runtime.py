@@ -17,6 +17,7 @@ joining or leaving) run on the device too (tfserve.cache_ops).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ from tfserve.manifest import (
 from tfserve.tokenizer import Tokenizer
 
 POOL_MIN_BYTES = 4 << 20  # cache row operations below this total size run on one thread
+SHARED_ARENA_INITIAL_BYTES = 256 << 20  # address space reserved up front; RSS only when used
+_shared_arena_lock = threading.Lock()
+_shared_arena_registered = False
 
 OPTIMIZATION_LEVELS = {
     "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -63,11 +67,14 @@ def make_session(
     inter_op_threads: int = 0,
     optimization: str = "all",
     allow_spinning: bool = False,
+    shared_arena: bool = True,
 ) -> ort.InferenceSession:
     """One InferenceSession with explicit threads and optimization level.
 
     0 threads lets ONNX Runtime choose (one per physical core). allow_spinning lets idle pool
     threads busy-wait: faster only when nothing else needs the cores between runs.
+    shared_arena (CPU): allocate from one process-wide arena (`share_cpu_arena`) instead of
+    one per session.
     """
     kind, index = parse_device(device)
     if optimization not in OPTIMIZATION_LEVELS:
@@ -87,6 +94,9 @@ def make_session(
         # steps they burn the cores the search's numpy work and the gRPC loop need
         # (measured on 2 cores: beam4 x 32 +16%, demo single-text latency -27%)
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if shared_arena and kind == "cpu":
+        share_cpu_arena()
+        options.add_session_config_entry("session.use_env_allocators", "1")
     options.log_severity_level = 3
     if kind == "cuda":
         available = ort.get_available_providers()
@@ -108,6 +118,33 @@ def make_session(
                            f"and a visible GPU are needed); the session got "
                            f"{session.get_providers()}")
     return session
+
+
+def share_cpu_arena() -> None:
+    """Register one CPU memory arena for every session of this process that opts in (once).
+
+    By default each session has its own arena, which keeps the high-water mark of its own
+    peak: the encoder's activations and the decoder's caches never reuse each other's memory.
+    One shared arena, created with one large initial region rather than regions doubling as
+    it grows (where fragments pile up), lowered the peak RSS of the opus-mt-base-sized model
+    over the compare cases from 667 to 633 MiB (fp32) and from 438 to 443 MiB (int8: the
+    same within noise), at the same speed.
+    """
+    global _shared_arena_registered
+    with _shared_arena_lock:
+        if _shared_arena_registered:
+            return
+        memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                   ort.OrtMemType.DEFAULT)
+        # (max_mem 0: no limit, extend strategy 0: next power of two, initial chunk,
+        #  max_dead_bytes_per_chunk -1: the default)
+        config = ort.OrtArenaCfg(0, 0, SHARED_ARENA_INITIAL_BYTES, -1)
+        try:
+            ort.create_and_register_allocator(memory, config)
+        except Exception as exc:  # someone else registered a CPU allocator: share theirs
+            if "already" not in str(exc).lower():
+                raise
+        _shared_arena_registered = True
 
 
 class Runtime:
