@@ -664,18 +664,21 @@ class DecodeBatch:
         if not self.members:
             return []
         cross, encoder_attention_mask = self._cross_for_step()
+        # [R,P] -> [R,P+1]: the new token's column; the same array is the mask of the cache
+        # after the step (the backend only reads it)
+        self_attention_mask = np.concatenate(
+            [self.self_attention_mask, np.ones((self.rows, 1), np.int64)], axis=1)
         out = self.backend.step(
             self.last_tokens[:, None],  # [R,1]
             self.position_ids[:, None],  # [R,1]
-            np.concatenate([self.self_attention_mask, np.ones((self.rows, 1), np.int64)], axis=1),
+            self_attention_mask,
             encoder_attention_mask,
             self.past,
             cross,
         )
         self.steps += 1
         self.past = out.present
-        self.self_attention_mask = np.concatenate(
-            [self.self_attention_mask, np.ones((self.rows, 1), np.int64)], axis=1)  # [R,P+1]
+        self.self_attention_mask = self_attention_mask
         # pad is banned after the normaliser is taken, without renormalising: the scores then
         # equal Hugging Face's with Marian's bad_words_ids=[[pad]]
         pad = self.backend.pad_token_id

@@ -182,6 +182,8 @@ class Runtime:
         if len(self.top_outputs) != len(TOP_OUTPUTS):
             self.top_outputs = []
         self.layers = cfg.decoder_layers
+        self._past_names = self.decoder_inputs[4 : 4 + 2 * self.layers]
+        self._cross_names = self.decoder_inputs[4 + 2 * self.layers :]
         # the decoder takes cross K/V with one row per group of G rows (a sentence's beams)
         revision = self.manifest.provenance.get("graph_revision", 1)
         self.grouped_cross = revision >= GROUPED_CROSS_REVISION
@@ -252,8 +254,7 @@ class Runtime:
             "self_attention_mask": _int64(self_attention_mask),
             "encoder_attention_mask": _int64(encoder_attention_mask),
         }
-        past_names = self.decoder_inputs[4 : 4 + 2 * self.layers]
-        cross_names = self.decoder_inputs[4 + 2 * self.layers :]
+        past_names, cross_names = self._past_names, self._cross_names
         if self.device_cache:
             binding = self.decoder.io_binding()
             for name, value in small.items():
