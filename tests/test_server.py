@@ -334,6 +334,52 @@ def test_continuous_batching_respects_row_limit(random_runtime: Any) -> None:
     assert max(seen_rows) > 1 and seen_rows.index(max(seen_rows)) < 30
 
 
+@pytest.mark.parametrize("wait_for_returning", [True, False], ids=["returning", "fresh"])
+def test_returning_rows_join_together_while_decoding(random_runtime: Any,
+                                                    wait_for_returning: bool) -> None:
+    """Closed-loop clients whose requests finished on one step come back a little apart:
+    while the batch still decodes, the first arrivals wait for the others (up to four steps)
+    and all join in one encoder run. Requests that nothing finished before join at once."""
+    from tfserve.generation import DecodingOptions
+    from tfserve.scheduler import Scheduler, SchedulerConfig
+
+    source = random_runtime.tokenizer.encode("seven")
+    short = DecodingOptions(max_new_tokens=3, min_new_tokens=3)
+    encoder_runs: list[float] = []
+
+    def hook(stage: str) -> None:
+        if stage == "step":
+            time.sleep(0.03)  # a step of >= 30 ms: the wait is up to 120 ms
+        elif stage == "encode":
+            encoder_runs.append(time.monotonic())
+
+    with Scheduler(random_runtime, SchedulerConfig(max_batch_size=8,
+                                                   max_wait_ms=0)) as scheduler:
+        scheduler.test_hook = hook
+        running = scheduler.submit_translate([source], DecodingOptions(max_new_tokens=60,
+                                                                       min_new_tokens=60))
+        while scheduler.stats.steps < 2:
+            time.sleep(0.001)
+        if wait_for_returning:
+            first = [scheduler.submit_translate([source], short) for _ in range(3)]
+            for job in first:
+                job.result(30)  # the three finish on the same step
+        encoder_runs.clear()
+        again = []
+        for _ in range(3):  # they return 45 ms apart, while the long request decodes
+            again.append(scheduler.submit_translate([source], short))
+            time.sleep(0.045)
+        results = [job.result(30) for job in again]
+        assert not running.done
+        running.cancel()
+    assert all(len(r[0]) == 1 for r in results)
+    if wait_for_returning:
+        assert len(encoder_runs) == 1
+    else:  # more than a step apart: each joins at the next step
+        assert len(encoder_runs) >= 2
+    assert scheduler.stats.model_errors == 0
+
+
 # -- cancellation, deadlines, queue, failures -----------------------------------------------
 
 
