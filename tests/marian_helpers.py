@@ -8,7 +8,6 @@ itself, and a MarianMTModel with random weights saved by transformers.
 
 from __future__ import annotations
 
-import io
 import json
 import random
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import Any
 
 import sentencepiece as spm
 import torch
+
+from tfserve.compare import train_spm  # noqa: F401  (the one SentencePiece recipe)
 
 SOURCE_WORDS = (
     "the cat dog house tree river city road small big green red blue old new one two three "
@@ -50,21 +51,6 @@ def corpus(words: tuple[str, ...] | list[str], count: int, seed: int) -> list[st
                 parts[-1] += rng.choice(PUNCTUATION)
         lines.append(" ".join(parts))
     return lines
-
-
-def train_spm(lines: list[str], vocab_size: int) -> bytes:
-    """A unigram SentencePiece model (Marian's layout: <unk> 0, <s> 1, </s> 2) as bytes."""
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
-        model_writer=model,
-        vocab_size=vocab_size,
-        model_type="unigram",
-        character_coverage=1.0,
-        hard_vocab_limit=False,
-        minloglevel=2,
-    )
-    return model.getvalue()
 
 
 def spm_pieces(model: bytes) -> list[str]:
