@@ -518,3 +518,25 @@ def test_sessions_share_one_cpu_arena_without_changing_results() -> None:
     feeds = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64)}
     for a, b in zip(shared.run(None, feeds), own.run(None, feeds)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("device_cache", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
+def test_concat_rows_pads_and_stacks_like_pad_then_concatenate(device_cache: bool,
+                                                               left: bool) -> None:
+    """concat_rows(caches, length, left) == pad_time of each part, then rows stacked."""
+    runtime = Runtime(artifacts("rope", "pre"), device_cache=device_cache)
+    rng = np.random.default_rng(3)
+    tensors = 2 * runtime.layers
+    parts = [[rng.standard_normal((rows, 2, time, 4)).astype(np.float32)
+              for _ in range(tensors)] for rows, time in ((2, 5), (1, 3), (3, 0), (2, 7))]
+    expected = [np.concatenate([np.pad(p[i], ((0, 0), (0, 0), (7 - p[i].shape[2], 0)
+                                              if left else (0, 7 - p[i].shape[2]), (0, 0)))
+                                for p in parts]) for i in range(tensors)]
+    got = runtime.concat_rows(parts, 7, left=left)
+    for want, tensor in zip(expected, got, strict=True):
+        array = tensor.numpy() if isinstance(tensor, ort.OrtValue) else tensor
+        np.testing.assert_array_equal(array, want)
+    if not device_cache:
+        with pytest.raises(ValueError, match="cannot join"):
+            runtime.concat_rows(parts, 6, left=left)  # a part is longer than 6

@@ -334,12 +334,12 @@ def test_continuous_batching_respects_row_limit(random_runtime: Any) -> None:
     assert max(seen_rows) > 1 and seen_rows.index(max(seen_rows)) < 30
 
 
-@pytest.mark.parametrize("wait_for_returning", [True, False], ids=["returning", "fresh"])
-def test_returning_rows_join_together_while_decoding(random_runtime: Any,
-                                                    wait_for_returning: bool) -> None:
+@pytest.mark.parametrize("case", ["returning", "fresh", "wave-wait-off"])
+def test_returning_rows_join_together_while_decoding(random_runtime: Any, case: str) -> None:
     """Closed-loop clients whose requests finished on one step come back a little apart:
-    while the batch still decodes, the first arrivals wait for the others (up to four steps)
-    and all join in one encoder run. Requests that nothing finished before join at once."""
+    while the batch still decodes, the first arrivals wait for the others (up to
+    wave_wait_steps steps) and all join in one encoder run. Requests that nothing finished
+    before join at the next step, and so do all of them with wave_wait_steps=0."""
     from tfserve.generation import DecodingOptions
     from tfserve.scheduler import Scheduler, SchedulerConfig
 
@@ -349,35 +349,55 @@ def test_returning_rows_join_together_while_decoding(random_runtime: Any,
 
     def hook(stage: str) -> None:
         if stage == "step":
-            time.sleep(0.03)  # a step of >= 30 ms: the wait is up to 120 ms
+            time.sleep(0.04)  # a step of >= 40 ms: the wait is up to 160 ms
         elif stage == "encode":
             encoder_runs.append(time.monotonic())
 
-    with Scheduler(random_runtime, SchedulerConfig(max_batch_size=8,
-                                                   max_wait_ms=0)) as scheduler:
+    config = SchedulerConfig(max_batch_size=8, max_wait_ms=0,
+                             wave_wait_steps=0 if case == "wave-wait-off" else 4)
+    with Scheduler(random_runtime, config) as scheduler:
         scheduler.test_hook = hook
         running = scheduler.submit_translate([source], DecodingOptions(max_new_tokens=60,
                                                                        min_new_tokens=60))
         while scheduler.stats.steps < 2:
             time.sleep(0.001)
-        if wait_for_returning:
+        if case != "fresh":
             first = [scheduler.submit_translate([source], short) for _ in range(3)]
             for job in first:
                 job.result(30)  # the three finish on the same step
         encoder_runs.clear()
         again = []
-        for _ in range(3):  # they return 45 ms apart, while the long request decodes
+        for _ in range(3):  # they return 55 ms apart, while the long request decodes
             again.append(scheduler.submit_translate([source], short))
-            time.sleep(0.045)
+            time.sleep(0.055)
         results = [job.result(30) for job in again]
         assert not running.done
         running.cancel()
     assert all(len(r[0]) == 1 for r in results)
-    if wait_for_returning:
+    if case == "returning":
         assert len(encoder_runs) == 1
     else:  # more than a step apart: each joins at the next step
         assert len(encoder_runs) >= 2
     assert scheduler.stats.model_errors == 0
+
+
+def test_encode_requests_never_wait_for_returning_rows(random_runtime: Any) -> None:
+    """Right after translate requests finished, an Encode request starts at once: the wait
+    for returning clients is for translation rows only."""
+    from tfserve.generation import DecodingOptions
+    from tfserve.scheduler import Scheduler
+
+    source = random_runtime.tokenizer.encode("seven")
+    with Scheduler(random_runtime) as scheduler:
+        scheduler.test_hook = slow_steps(0.04)  # the translate wait would be up to 160 ms
+        jobs = [scheduler.submit_translate([source], DecodingOptions(max_new_tokens=3,
+                                                                     min_new_tokens=3))
+                for _ in range(4)]
+        for job in jobs:
+            job.result(30)
+        encode = scheduler.submit_encode([source])
+        encode.result(30)
+    assert encode.queue_seconds < 0.1
 
 
 # -- cancellation, deadlines, queue, failures -----------------------------------------------
@@ -707,17 +727,20 @@ def test_serving_path_imports_no_torch() -> None:
 
 
 
-def test_keep_freed_memory_respects_the_operators_malloc_settings(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """glibc keeps freed blocks for the next join, unless MALLOC_* variables say otherwise."""
+def test_keep_freed_memory_respects_the_operators_malloc_settings() -> None:
+    """glibc keeps freed blocks for the next join, unless MALLOC_* variables say otherwise
+    (checked in child processes: the setting is process-wide)."""
     import platform
+    import subprocess
+    import sys
 
-    from tfserve.server import keep_freed_memory
-
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
-    assert keep_freed_memory() is False
-    monkeypatch.delenv("MALLOC_ARENA_MAX")
-    for name in [n for n in os.environ if n.startswith("MALLOC_")]:
-        monkeypatch.delenv(name)
-    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-        assert keep_freed_memory() is True
+    code = "from tfserve.server import keep_freed_memory; print(keep_freed_memory())"
+    clean = {name: value for name, value in os.environ.items()
+             if not name.startswith("MALLOC_")}
+    for extra, expected in (({"MALLOC_ARENA_MAX": "2"}, "False"), ({}, "True")):
+        if expected == "True" and not (platform.system() == "Linux"
+                                       and platform.libc_ver()[0] == "glibc"):
+            continue
+        out = subprocess.run([sys.executable, "-c", code], env={**clean, **extra},
+                             capture_output=True, text=True, timeout=60, check=True)
+        assert out.stdout.strip() == expected

@@ -140,11 +140,7 @@ def share_cpu_arena() -> None:
         # (max_mem 0: no limit, extend strategy 0: next power of two, initial chunk,
         #  max_dead_bytes_per_chunk -1: the default)
         config = ort.OrtArenaCfg(0, 0, SHARED_ARENA_INITIAL_BYTES, -1)
-        try:
-            ort.create_and_register_allocator(memory, config)
-        except Exception as exc:  # someone else registered a CPU allocator: share theirs
-            if "already" not in str(exc).lower():
-                raise
+        ort.create_and_register_allocator(memory, config)
         _shared_arena_registered = True
 
 
@@ -353,6 +349,10 @@ class Runtime:
             row = 0
             for cache in caches:
                 part = cache[i]
+                if part.dtype != out.dtype or part.shape[2] > length:
+                    raise ValueError(f"concat_rows: a {part.dtype} part of length "
+                                     f"{part.shape[2]} cannot join {out.dtype} rows of "
+                                     f"length {length}")
                 end, extra = row + part.shape[0], length - part.shape[2]
                 if left:
                     out[row:end, :, :extra] = 0

@@ -89,14 +89,20 @@ class SchedulerConfig:
 
     max_batch_size: int = 32  # rows in the running decoder batch; inputs per encoder run
     max_batch_tokens: int = 8192  # padded source tokens per encoder run
-    max_wait_ms: float = 2.0  # how long arrivals wait for company (see Scheduler._batching_wait)
+    max_wait_ms: float = 2.0  # how long arrivals wait for company (Scheduler._gather_deadline)
     max_queue: int = 256  # requests with inputs not yet taken up by the model
+    # how many decoder steps arrivals may wait for the rows that just finished to come back
+    # (closed-loop clients); 0: never wait for them
+    wave_wait_steps: int = 4
 
     def validate(self) -> SchedulerConfig:
         for name in ("max_batch_size", "max_batch_tokens", "max_queue"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        value = self.wave_wait_steps
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"wave_wait_steps must be an integer >= 0, got {value!r}")
         if not self.max_wait_ms >= 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms!r}")
         return self
@@ -240,7 +246,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.test_hook: Callable[[str], None] | None = None
         self.max_new_tokens_limit = backend.max_target_positions - 1
-        self._cond = threading.Condition()  # guards the queues and the flags below
+        self._cond = threading.Condition()  # guards the queues and the flags below it
         self._translate_queue: deque[_Item] = deque()
         self._encode_queue: deque[_Item] = deque()
         self._queued_jobs = 0
@@ -250,8 +256,9 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         # for the wait for company (_gather_deadline)
         self._step_seconds = 0.0  # running mean of recent decoder steps
-        # (time.monotonic(), rows) of requests that finished, oldest first: their clients'
-        # next requests are likely on the way; admitted rows use them up, oldest first
+        # (time.monotonic(), rows) of translate requests that succeeded, oldest first: their
+        # clients' next requests may be on the way; admitted rows use them up, oldest first.
+        # Worker thread only (no lock).
         self._freed: deque[tuple[float, int]] = deque(maxlen=1024)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -377,41 +384,45 @@ class Scheduler:
 
     def _batching_wait(self) -> float:
         """Seconds the idle worker waits for more work before starting a batch (<= 0: now)."""
+        if self._encode_queue:
+            return 0.0  # an Encode request never waits for translation company
         deadline = self._gather_deadline(time.monotonic())
         return 0.0 if deadline is None else deadline - time.monotonic()
 
     def _gather_deadline(self, now: float) -> float | None:
-        """Until when queued requests wait for company before they are encoded and joined
-        (None: take them now). Under the lock.
+        """Until when queued translate requests wait for company before they are encoded and
+        joined (None: take them now). Worker thread, under the lock.
 
         Each join costs an encoder run per length group and a copy of the running cache, and
         rows that join a step apart also finish a step apart. Closed-loop clients (a client
-        sends its next request when its answer arrives) whose outputs end on the same step
+        sends its next request when its answer arrives) whose requests end on the same step
         come back together, a round trip later; starting with the first few splits that wave
         into groups a step or more apart, and the split lasts: each group then pays its own
         encoder runs and joins, and steps run with rows missing. So when requests finished
         recently (`_freed`), arrivals wait until as many rows are queued as finished, for at
-        most max(max_wait_ms, four decoder steps) after the oldest arrival. Otherwise a
-        request that finds the worker idle starts at once (a lone request never waits), and
-        arrivals at a running batch wait up to max_wait_ms to fill its free rows together.
+        most max(max_wait_ms, wave_wait_steps decoder steps) after the oldest arrival. The
+        cost, where the clients do not come back (open-loop traffic): an arrival just after
+        other requests finished waits up to those steps (wave_wait_steps=0 turns this off).
+        Otherwise a request that finds the worker idle starts at once (a lone request never
+        waits), and arrivals at a running batch wait up to max_wait_ms to fill its free rows
+        together.
         """
         queue = self._translate_queue
-        if not queue and not self._encode_queue:
+        if not queue:
             return None
-        oldest = min(q[0].job.submitted for q in (queue, self._encode_queue) if q)
-        bound = max(self.config.max_wait_ms / 1000.0, 4 * self._step_seconds)
+        oldest = queue[0].job.submitted
+        max_wait = self.config.max_wait_ms / 1000.0
+        bound = max(max_wait, self.config.wave_wait_steps * self._step_seconds)
         while self._freed and self._freed[0][0] < oldest - bound:
             self._freed.popleft()  # too long ago to be what is arriving now
-        expected = sum(rows for _, rows in self._freed)
+        expected = sum(rows for _, rows in self._freed) if self.config.wave_wait_steps else 0
         decoding = bool(len(self._batch))
         free = self.config.max_batch_size - sum(m.tag.max_rows for m in self._batch.members)
         queued = sum(item.max_rows for item in queue)
-        if not decoding:
-            queued += len(self._encode_queue)
         if expected:
             target = min(expected, free)
         elif decoding:
-            target, bound = free, self.config.max_wait_ms / 1000.0
+            target, bound = free, max_wait
         else:
             return None
         return oldest + bound if queued < target and now < oldest + bound else None
@@ -446,7 +457,7 @@ class Scheduler:
             encode_items.append(self._encode_queue.popleft())
         translate_items = []
         reserved = sum(member.tag.max_rows for member in self._batch.members)
-        gathering = len(self._batch) and self._gather_deadline(now) is not None
+        gathering = self._gather_deadline(now) is not None
         # FIFO without overtaking: a wide beam search at the head waits for rows to free up
         # rather than being starved by a stream of greedy requests behind it
         while (not gathering and self._translate_queue
@@ -569,7 +580,7 @@ class Scheduler:
         removed = self._batch.remove(set(reasons))  # in member order, as removed_rows
         if not len(self._batch):
             # DecodeBatch.remove of every member leaves its last_tokens behind, which the next
-            # add() would prepend to the newcomers' start tokens: start from a fresh batch
+            # join() would prepend to the newcomers' start tokens: start from a fresh batch
             self._batch = DecodeBatch(self.backend)
         for search, item in zip(removed, list(removed_rows), strict=True):
             assert search.options.max_new_tokens is not None
@@ -616,7 +627,6 @@ class Scheduler:
                     self._emit(item, StreamEvent(item.index, streamed, hypotheses))
             if search is not None:
                 self._item_done(item, search.results())
-                self._freed.append((time.monotonic(), item.max_rows))
 
     def _emit(self, item: _Item, event: StreamEvent) -> None:
         assert item.job.on_event is not None
@@ -637,6 +647,11 @@ class Scheduler:
         job.remaining -= 1
         if job.remaining == 0:
             job._resolve()
+            if job.kind == "translate" and job.options is not None:
+                # the client may send its next request now: expect its rows back
+                rows = len(job.results) * max(job.options.num_beams,
+                                              job.options.num_return_sequences)
+                self._freed.append((time.monotonic(), rows))
 
     def _model_failed(self, stage: str, exc: BaseException, jobs: set[Job]) -> None:
         log.error("model run failed (%s) for %d request(s): %s", stage, len(jobs), exc,

@@ -136,7 +136,8 @@ class _Call:
         write of their own, and done first they would delay the model by a trip through the
         event loop). A unary call sends it in the trailers, which go out with the status: an
         early header write cost the event loop 0.23 ms per request, 12% of its time at 32
-        demo clients.
+        demo clients. (So a unary call that the client's deadline or cancellation ends, which
+        gRPC closes without us, carries no id: clients correlate those by their own id.)
         """
         if not self.metadata_sent:
             self.metadata_sent = True
@@ -771,10 +772,12 @@ def keep_freed_memory() -> bool:
     The decoding loop allocates cache-sized arrays (tens of MB) at every join and row
     reorder. By default glibc serves those with fresh mmap pages and returns them when freed,
     so every join paid the page faults again: a 32-row join of an opus-mt-base-sized model
-    took 22 ms a wave instead of 8. Large blocks now come from the heap and freed memory
-    stays mapped (the RSS stays near its peak instead of falling back between waves). Skipped
-    when the operator set glibc's own MALLOC_* variables, or without glibc. Returns whether it
-    was applied.
+    took 22 ms a wave instead of 8. Blocks up to the heap's limit now come from the heap and
+    freed memory stays mapped (the RSS stays near its peak instead of falling back between
+    waves). The limit: the main thread's heap has none, other threads' heaps (the decoder
+    worker's, the copy pool's) grow to 64 MiB, so a single block above that (a cache tensor of
+    a very large batch) is still mapped afresh. Skipped when the operator set glibc's own
+    MALLOC_* variables, or without glibc. Returns whether it was applied.
     """
     if any(name.startswith("MALLOC_") for name in os.environ):
         return False

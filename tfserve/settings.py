@@ -33,6 +33,7 @@ class ServerConfig:
     max_batch_size: int = 32
     max_batch_tokens: int = 8192
     max_wait_ms: float = 2.0
+    wave_wait_steps: int = 4
     max_queue: int = 256
     max_texts_per_request: int = DEFAULT_MAX_TEXTS
     max_message_bytes: int = 16 * 1024 * 1024
@@ -47,14 +48,16 @@ class ServerConfig:
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_batch_size=self.max_batch_size,
                                max_batch_tokens=self.max_batch_tokens,
-                               max_wait_ms=self.max_wait_ms, max_queue=self.max_queue)
+                               max_wait_ms=self.max_wait_ms, max_queue=self.max_queue,
+                               wave_wait_steps=self.wave_wait_steps)
 
     def validate(self) -> ServerConfig:
         for name in ("max_batch_size", "max_batch_tokens", "max_queue", "max_texts_per_request",
                      "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("port", "metrics_port", "threads", "default_max_new_tokens"):
+        for name in ("port", "metrics_port", "threads", "default_max_new_tokens",
+                     "wave_wait_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         for name in ("max_wait_ms", "grace_seconds"):
@@ -90,7 +93,10 @@ _HELP = {
                       "inputs per encoder run",
     "max_batch_tokens": "padded source tokens per encoder run",
     "max_wait_ms": ("how long queued inputs are gathered before joining a running batch; the "
-                    "least an emptied batch waits for its returning clients"),
+                    "least arrivals wait for the rows that just finished"),
+    "wave_wait_steps": ("decoder steps arrivals may wait for the rows that just finished to "
+                        "come back (closed-loop clients finishing together rejoin as one "
+                        "batch); 0: never wait for them (open-loop traffic)"),
     "max_queue": "requests that may wait for the model; more get RESOURCE_EXHAUSTED",
     "max_texts_per_request": "inputs per request",
     "max_message_bytes": "largest gRPC message received or sent",
