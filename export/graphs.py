@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tfserve.manifest import TOP_CANDIDATES, TOP_OUTPUTS, decoder_io, encoder_io
+from tfserve.manifest import TOP_OUTPUTS, decoder_io, encoder_io
 from tfserve.model import Seq2SeqTransformer
 
 DEFAULT_OPSET = 17
@@ -50,9 +50,7 @@ class DecoderGraph(nn.Module):
         cross = [(caches[2 * n + 2 * i], caches[2 * n + 2 * i + 1]) for i in range(n)]
         logits, present = self.model.decode_step(
             input_ids, position_ids, self_attention_mask, encoder_attention_mask, past, cross)
-        # the search's candidates, in float32 even for fp16 graphs (scores accumulate them)
-        k = min(TOP_CANDIDATES, self.model.config.vocab_size)
-        top_log_probs, top_ids = logits.float().log_softmax(dim=-1).topk(k, dim=-1)  # [B,T,K]
+        top_log_probs, top_ids = self.model.top_candidates(logits)  # [B,T,K]
         return (logits, *[t for kv in present for t in kv], top_log_probs, top_ids)
 
 

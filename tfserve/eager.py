@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from tfserve.generation import StepOutput
-from tfserve.manifest import TOP_CANDIDATES
 from tfserve.model import KVCache, Seq2SeqTransformer
 
 
@@ -65,10 +64,8 @@ class EagerBackend:
             past,
             cross,
         )
-        logits = logits.float()
-        k = min(TOP_CANDIDATES, logits.shape[-1])
-        top_log_probs, top_ids = logits.log_softmax(dim=-1).topk(k, dim=-1)  # [B,T,K]
-        return StepOutput(logits.cpu().numpy(), present, top_log_probs.cpu().numpy(),
+        top_log_probs, top_ids = self.model.top_candidates(logits)  # [B,T,K]
+        return StepOutput(logits.float().cpu().numpy(), present, top_log_probs.cpu().numpy(),
                           top_ids.cpu().numpy())
 
     def empty_past(self, rows: int) -> KVCache:

@@ -175,11 +175,16 @@ PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, threads cost more than they save
 SCORE_BLOCK_ELEMENTS = 1 << 18  # rows per score_rows block: ~1 MiB of float32 logits
 
 
+def _threaded(logits: np.ndarray) -> bool:
+    """Whether a pass over logits [R,V] is worth splitting by rows over threads."""
+    return (os.cpu_count() or 1) >= 2 and logits.size >= PARALLEL_MIN_ELEMENTS and (
+        logits.shape[0] >= 2)
+
+
 def _row_chunks(logits: np.ndarray) -> list[np.ndarray]:
-    workers = os.cpu_count() or 1
-    if workers < 2 or logits.size < PARALLEL_MIN_ELEMENTS or logits.shape[0] < 2:
+    if not _threaded(logits):
         return [logits]
-    return np.array_split(logits, min(workers, logits.shape[0]))
+    return np.array_split(logits, min(os.cpu_count() or 1, logits.shape[0]))
 
 
 def _logsumexp_rows(logits: np.ndarray) -> np.ndarray:
@@ -213,7 +218,7 @@ def score_rows(logits: np.ndarray, banned: int | None, k: int
             rows[:, banned] = -np.inf
         return lse, top_k_unordered(rows, k) if k else None
 
-    if len(_row_chunks(logits)) == 1:
+    if not _threaded(logits):
         return block(logits)
     step = max(1, SCORE_BLOCK_ELEMENTS // logits.shape[1])
     parts = list(numpy_pool().map(block, [logits[i: i + step]

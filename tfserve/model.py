@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tfserve.config import ModelConfig
+from tfserve.manifest import TOP_CANDIDATES
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value), each [B,H,len,Dh]
 
@@ -533,6 +534,13 @@ class Seq2SeqTransformer(nn.Module):
         if self.final_logits_bias is not None:
             logits = logits + self.final_logits_bias
         return logits, present
+
+    def top_candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each position's best K = min(TOP_CANDIDATES, V) log-probabilities [B,T,K] (float32
+        even for fp16 logits: the search's scores accumulate them; best first) and their token
+        ids [B,T,K]: the decoder graph's top outputs, and the eager backend's."""
+        k = min(TOP_CANDIDATES, self.config.vocab_size)
+        return logits.float().log_softmax(dim=-1).topk(k, dim=-1)
 
     def forward(
         self,

@@ -353,13 +353,8 @@ class Runtime:
                     raise ValueError(f"concat_rows: a {part.dtype} part of length "
                                      f"{part.shape[2]} cannot join {out.dtype} rows of "
                                      f"length {length}")
-                end, extra = row + part.shape[0], length - part.shape[2]
-                if left:
-                    out[row:end, :, :extra] = 0
-                    out[row:end, :, extra:] = part
-                else:
-                    out[row:end, :, : part.shape[2]] = part
-                    out[row:end, :, part.shape[2]:] = 0
+                end = row + part.shape[0]
+                _place(out[row:end], part, left)
                 row = end
             return out
 
@@ -373,15 +368,11 @@ class Runtime:
             return self.cache_ops.pad_time(cache, extra, left) if extra > 0 else cache
 
         def pad(t: np.ndarray) -> np.ndarray:
-            extra = length - t.shape[2]
-            if extra <= 0:
+            if t.shape[2] >= length:
                 return t
-            # zeros + one slice copy: several times faster than np.pad for these shapes
-            out = np.zeros((t.shape[0], t.shape[1], length, t.shape[3]), t.dtype)
-            if left:
-                out[:, :, extra:] = t
-            else:
-                out[:, :, : t.shape[2]] = t
+            # one slice copy and the padding zeroed: several times faster than np.pad here
+            out = np.empty((t.shape[0], t.shape[1], length, t.shape[3]), t.dtype)
+            _place(out, t, left)
             return out
 
         return self._each(pad, cache)
@@ -390,6 +381,18 @@ class Runtime:
         if self.cache_ops:
             return self.cache_ops.slice_time(self._device(cache), start, stop)
         return self._each(lambda t: np.ascontiguousarray(t[:, :, start:stop]), cache)
+
+
+def _place(out: np.ndarray, part: np.ndarray, left: bool) -> None:
+    """Write part [N,H,p,Dh] into out [N,H,length,Dh] (p <= length) on the left or the right
+    of the time axis, and zero the rest of it."""
+    extra = out.shape[2] - part.shape[2]
+    if left:
+        out[:, :, :extra] = 0
+        out[:, :, extra:] = part
+    else:
+        out[:, :, : part.shape[2]] = part
+        out[:, :, part.shape[2]:] = 0
 
 
 def _int64(array: np.ndarray) -> np.ndarray:

@@ -386,12 +386,17 @@ class Scheduler:
         """Seconds the idle worker waits for more work before starting a batch (<= 0: now)."""
         if self._encode_queue:
             return 0.0  # an Encode request never waits for translation company
-        deadline = self._gather_deadline(time.monotonic())
+        deadline = self._gather_deadline(time.monotonic(), self._reserved_rows())
         return 0.0 if deadline is None else deadline - time.monotonic()
 
-    def _gather_deadline(self, now: float) -> float | None:
+    def _reserved_rows(self) -> int:
+        """Rows the running batch's members may occupy (each its largest row count)."""
+        return sum(member.tag.max_rows for member in self._batch.members)
+
+    def _gather_deadline(self, now: float, reserved: int) -> float | None:
         """Until when queued translate requests wait for company before they are encoded and
-        joined (None: take them now). Worker thread, under the lock.
+        joined (None: take them now); reserved: `_reserved_rows()`. Worker thread, under the
+        lock.
 
         Each join costs an encoder run per length group and a copy of the running cache, and
         rows that join a step apart also finish a step apart. Closed-loop clients (a client
@@ -417,7 +422,7 @@ class Scheduler:
             self._freed.popleft()  # too long ago to be what is arriving now
         expected = sum(rows for _, rows in self._freed) if self.config.wave_wait_steps else 0
         decoding = bool(len(self._batch))
-        free = self.config.max_batch_size - sum(m.tag.max_rows for m in self._batch.members)
+        free = self.config.max_batch_size - reserved
         queued = sum(item.max_rows for item in queue)
         if expected:
             target = min(expected, free)
@@ -456,8 +461,8 @@ class Scheduler:
         while self._encode_queue and len(encode_items) < self.config.max_batch_size:
             encode_items.append(self._encode_queue.popleft())
         translate_items = []
-        reserved = sum(member.tag.max_rows for member in self._batch.members)
-        gathering = self._gather_deadline(now) is not None
+        reserved = self._reserved_rows()
+        gathering = self._gather_deadline(now, reserved) is not None
         # FIFO without overtaking: a wide beam search at the head waits for rows to free up
         # rather than being starved by a stream of greedy requests behind it
         while (not gathering and self._translate_queue
