@@ -23,9 +23,10 @@ from tfserve.tokenizer import TokenizerSpec
 FORMAT_VERSION = 1
 # How export builds the graphs behind the same interface (2: fused attention, fusable
 # reshapes, top candidates; 3: one Q/K/V GEMM; 4: weights in external data files;
-# 5: cross K/V and encoder mask may have one row per group of rows); an exported demo made
-# by an older revision is re-exported on first use.
-GRAPH_REVISION = 5
+# 5: cross K/V and encoder mask may have one row per group of rows; 6: the grouped
+# cross-attention's reshapes share their shape ops across layers, no Cast of fp32 logits);
+# an exported demo made by an older revision is re-exported on first use.
+GRAPH_REVISION = 6
 GROUPED_CROSS_REVISION = 5  # the first revision whose decoder takes grouped cross rows
 MANIFEST_FILE = "model.json"
 

@@ -229,15 +229,20 @@ class MultiHeadAttention(nn.Module):
                 k = merge_heads(apply_rope(split_heads(k, self.num_heads, self.head_dim), *rope))
         else:
             q, (k, v) = self.q_proj(x), cached
-            # a group's G rows become G*T query positions of its one K/V row
-            q = q.reshape(k.shape[0], -1, q.shape[-1])  # [B,T,D] -> [Bc,G*T,D]
+            # a group's G rows become G*T query positions of its one K/V row. Bc is read off
+            # the bias, which every layer shares, and D is a Python int: traced, the shape
+            # ops are the same in every layer and ONNX Runtime computes them once per step
+            # (reading Bc off each layer's K and D off q cost ~13 shape nodes per layer)
+            q = q.reshape(bias.shape[0], -1, self.q_proj.out_features)  # [B,T,D] -> [Bc,G*T,D]
         if rope is not None:
             q = merge_heads(apply_rope(split_heads(q, self.num_heads, self.head_dim), *rope))
         past_k, past_v = past if past is not None else (None, None)
         out, k, v = FusedAttention.apply(q, k, v, bias, past_k, past_v, self.num_heads,
                                          self.head_dim ** -0.5)
-        if cached is not None:
-            out = out.reshape(x.shape[0], x.shape[1], -1)  # [Bc,G*T,D] -> [B,T,D]
+        if cached is not None and self.q_proj.out_features == self.q_proj.in_features:
+            out = out.reshape_as(x)  # [Bc,G*T,D] -> [B,T,D]: one Shape op, no Gathers
+        elif cached is not None:
+            out = out.reshape(x.shape[0], x.shape[1], -1)  # [Bc,G*T,H*Dh] -> [B,T,H*Dh]
         return self.out_proj(out), k, v
 
 
@@ -540,7 +545,10 @@ class Seq2SeqTransformer(nn.Module):
         even for fp16 logits: the search's scores accumulate them; best first) and their token
         ids [B,T,K]: the decoder graph's top outputs, and the eager backend's."""
         k = min(TOP_CANDIDATES, self.config.vocab_size)
-        return logits.float().log_softmax(dim=-1).topk(k, dim=-1)
+        # no cast of fp32 logits: traced, .float() is a Cast that copies [B,T,V] every step
+        # (ONNX Runtime keeps it, its output being a graph output)
+        scores = logits if logits.dtype == torch.float32 else logits.float()
+        return scores.log_softmax(dim=-1).topk(k, dim=-1)
 
     def forward(
         self,
