@@ -381,6 +381,66 @@ def test_returning_rows_join_together_while_decoding(random_runtime: Any, case: 
     assert scheduler.stats.model_errors == 0
 
 
+@pytest.mark.parametrize("encode_ahead", [True, False])
+def test_idle_worker_encodes_returning_rows_ahead(random_runtime: Any,
+                                                  encode_ahead: bool) -> None:
+    """With nothing to decode, the worker encodes returning requests as they arrive while it
+    waits for the rest of the wave, and all of them join the decoder batch together; an
+    encoder failure meanwhile fails only its own request. Without encode_ahead they are
+    encoded together once the wait ends."""
+    from tfserve.generation import DecodingOptions
+    from tfserve.scheduler import ModelError, Scheduler, SchedulerConfig
+
+    source = random_runtime.tokenizer.encode("seven")
+    short = DecodingOptions(max_new_tokens=3, min_new_tokens=3)
+    encoder_runs: list[float] = []
+    first_step_rows: list[int] = []
+
+    def hook(stage: str) -> None:
+        if stage == "step":
+            time.sleep(0.04)  # a step of >= 40 ms: the wait is up to 160 ms
+            if not first_step_rows:
+                first_step_rows.append(scheduler._batch.rows)
+        elif stage == "encode":
+            encoder_runs.append(time.monotonic())
+            if encode_ahead and len(encoder_runs) == 2:
+                raise RuntimeError("simulated encoder failure")
+
+    config = SchedulerConfig(max_batch_size=8, max_wait_ms=0, encode_ahead=encode_ahead)
+    with Scheduler(random_runtime, config) as scheduler:
+        expected = scheduler.translate([source], short, timeout=30)
+        scheduler.test_hook = hook
+        # three finish on the same step, and the batch is empty; their 8 steps of >= 40 ms
+        # teach the scheduler the step time
+        first = DecodingOptions(max_new_tokens=8, min_new_tokens=8)
+        for job in [scheduler.submit_translate([source], first) for _ in range(3)]:
+            job.result(30)
+        encoder_runs.clear()
+        first_step_rows.clear()
+        again, sent = [], []
+        for _ in range(3):  # they come back 45 ms apart
+            sent.append(time.monotonic())
+            again.append(scheduler.submit_translate([source], short))
+            time.sleep(0.045)
+        outcomes = []
+        for job in again:
+            try:
+                outcomes.append(job.result(30))
+            except ModelError:
+                outcomes.append(None)
+    if encode_ahead:
+        assert len(encoder_runs) == 3
+        assert all(run - arrival < 0.03 for run, arrival in zip(encoder_runs, sent)), [
+            run - arrival for run, arrival in zip(encoder_runs, sent)]
+        assert outcomes[1] is None and scheduler.stats.model_errors == 1
+        assert first_step_rows == [2]  # the two encoded ones joined together
+        assert all(same(outcomes[i][0], expected[0]) for i in (0, 2))
+    else:
+        assert len(encoder_runs) == 1 and encoder_runs[0] >= sent[2]
+        assert first_step_rows == [3]
+        assert all(same(outcome[0], expected[0]) for outcome in outcomes)
+
+
 def test_encode_requests_never_wait_for_returning_rows(random_runtime: Any) -> None:
     """Right after translate requests finished, an Encode request starts at once: the wait
     for returning clients is for translation rows only."""

@@ -94,6 +94,9 @@ class SchedulerConfig:
     # how many decoder steps arrivals may wait for the rows that just finished to come back
     # (closed-loop clients); 0: never wait for them
     wave_wait_steps: int = 4
+    # while the idle worker waits for company, encode what has arrived (the wait then
+    # overlaps encoder work); the rows join the decoder batch together when the wait ends
+    encode_ahead: bool = True
 
     def validate(self) -> SchedulerConfig:
         for name in ("max_batch_size", "max_batch_tokens", "max_queue"):
@@ -260,6 +263,9 @@ class Scheduler:
         # clients' next requests may be on the way; admitted rows use them up, oldest first.
         # Worker thread only (no lock).
         self._freed: deque[tuple[float, int]] = deque(maxlen=1024)
+        # translate items taken and encoded while the idle worker waits for company, not yet
+        # joined (_encode_ahead). Worker thread only.
+        self._ahead: list[Joining] = []
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -294,7 +300,8 @@ class Scheduler:
     def idle(self) -> bool:
         """Nothing queued and nothing decoding."""
         with self._cond:
-            return not (self._translate_queue or self._encode_queue or len(self._batch))
+            return not (self._translate_queue or self._encode_queue or len(self._batch)
+                        or self._ahead)
 
     # -- submitting -------------------------------------------------------------------------
 
@@ -367,20 +374,22 @@ class Scheduler:
                         return
                     if len(self._batch):
                         break  # decoding never waits: new items join between steps
-                    if self._translate_queue or self._encode_queue:
+                    if self._translate_queue or self._encode_queue or self._ahead:
                         wait = self._batching_wait()
-                        if wait <= 0:
-                            break
+                        if wait <= 0 or self._may_encode_ahead():
+                            break  # start now, or encode the arrivals while waiting
                         self._cond.wait(wait)
                     else:
                         self._cond.wait()
-                translate_items, encode_items = self._take()
+                translate_items, encode_items, ahead = self._take()
             try:
-                self._iteration(translate_items, encode_items)
+                self._iteration(translate_items, encode_items, ahead)
             except Exception as exc:  # a bug, not a model failure: keep the worker alive
                 log.exception("scheduler iteration failed")
+                pending = {item.job for group in self._ahead for item in group.tags}
+                self._ahead = []
                 self._fail_batch("iteration", exc,
-                                 {item.job for item in translate_items + encode_items})
+                                 {item.job for item in translate_items + encode_items} | pending)
 
     def _batching_wait(self) -> float:
         """Seconds the idle worker waits for more work before starting a batch (<= 0: now)."""
@@ -390,8 +399,26 @@ class Scheduler:
         return 0.0 if deadline is None else deadline - time.monotonic()
 
     def _reserved_rows(self) -> int:
-        """Rows the running batch's members may occupy (each its largest row count)."""
-        return sum(member.tag.max_rows for member in self._batch.members)
+        """Rows the running batch's members and the encoded items waiting to join it may
+        occupy (each its largest row count)."""
+        return (sum(member.tag.max_rows for member in self._batch.members)
+                + sum(item.max_rows for group in self._ahead for item in group.tags))
+
+    def _oldest_waiting(self) -> float | None:
+        """When the oldest translate item not yet decoding arrived (encoded ahead or queued)."""
+        times = [item.job.submitted for group in self._ahead for item in group.tags]
+        times += [self._translate_queue[0].job.submitted] if self._translate_queue else []
+        return min(times) if times else None
+
+    def _may_encode_ahead(self) -> bool:
+        """Whether the idle worker encodes the queue's head now instead of waiting (under the
+        lock): it has no rows to decode, is waiting for company, and the head fits."""
+        queue = self._translate_queue
+        if not (self.config.encode_ahead and queue) or len(self._batch):
+            return False
+        reserved = self._reserved_rows()
+        return (reserved + queue[0].max_rows <= self.config.max_batch_size
+                and self._gather_deadline(time.monotonic(), reserved) is not None)
 
     def _gather_deadline(self, now: float, reserved: int) -> float | None:
         """Until when queued translate requests wait for company before they are encoded and
@@ -413,9 +440,9 @@ class Scheduler:
         together.
         """
         queue = self._translate_queue
-        if not queue:
+        oldest = self._oldest_waiting()
+        if oldest is None:
             return None
-        oldest = queue[0].job.submitted
         max_wait = self.config.max_wait_ms / 1000.0
         bound = max(max_wait, self.config.wave_wait_steps * self._step_seconds)
         while self._freed and self._freed[0][0] < oldest - bound:
@@ -440,8 +467,12 @@ class Scheduler:
                 self._freed.appendleft((at, expected - rows))
             rows -= expected
 
-    def _take(self) -> tuple[list[_Item], list[_Item]]:
-        """Under the lock: drop dead queued items, take what fits into the next iteration."""
+    def _take(self) -> tuple[list[_Item], list[_Item], bool]:
+        """Under the lock: drop dead queued items, take what fits into the next iteration.
+
+        Returns the translate items, the encode items, and whether the translate items are
+        to be encoded ahead (held until the wait for company ends) rather than joined now.
+        """
         now = time.monotonic()
         for queue in (self._translate_queue, self._encode_queue):
             if any(item.job.done or item.job.expired(now) for item in queue):
@@ -463,9 +494,10 @@ class Scheduler:
         translate_items = []
         reserved = self._reserved_rows()
         gathering = self._gather_deadline(now, reserved) is not None
+        ahead = gathering and self.config.encode_ahead and not len(self._batch)
         # FIFO without overtaking: a wide beam search at the head waits for rows to free up
         # rather than being starved by a stream of greedy requests behind it
-        while (not gathering and self._translate_queue
+        while ((ahead or not gathering) and self._translate_queue
                and reserved + self._translate_queue[0].max_rows <= self.config.max_batch_size):
             item = self._translate_queue.popleft()
             reserved += item.max_rows
@@ -473,7 +505,7 @@ class Scheduler:
         self._use_freed(sum(item.max_rows for item in translate_items))
         for item in encode_items + translate_items:
             self._admitted(item, now)
-        return translate_items, encode_items
+        return translate_items, encode_items, ahead and bool(translate_items)
 
     def _admitted(self, item: _Item, now: float) -> None:
         """Bookkeeping when an item leaves the queue (under the lock)."""
@@ -486,10 +518,14 @@ class Scheduler:
         if not job.done:
             self.metrics.queue_seconds.observe(now - job.submitted)
 
-    def _iteration(self, translate_items: list[_Item], encode_items: list[_Item]) -> None:
+    def _iteration(self, translate_items: list[_Item], encode_items: list[_Item],
+                   ahead: bool = False) -> None:
         if encode_items:
             self._run_encode(encode_items)
-        if translate_items:
+        if ahead:
+            self._ahead += self._encode_items(translate_items)
+            return
+        if translate_items or self._ahead:
             self._admit(translate_items)
         self._drop_finished_rows()
         if len(self._batch):
@@ -540,7 +576,21 @@ class Scheduler:
                 self._item_done(item, Encoded(item.source, embedding, states))
 
     def _admit(self, items: list[_Item]) -> None:
-        """Encode new translate items and join them to the running decoder batch."""
+        """Encode new translate items and join them, and those encoded ahead, to the running
+        decoder batch."""
+        groups, self._ahead = self._ahead + self._encode_items(items), []
+        # one join for every chunk: each join copies the whole running cache, so a wave cut
+        # into 4 encoder batches joined one by one copied its cross K/V about 2.5 times
+        # (opus-mt-base, 32 rows: 60-90 ms a wave)
+        try:
+            self._batch.join(groups)
+        except Exception as exc:  # the batch may be half-joined: start over
+            self._fail_batch("encode", exc, {item.job for group in groups
+                                             for item in group.tags})
+
+    def _encode_items(self, items: list[_Item]) -> list[Joining]:
+        """Run the encoder over translate items (length-sorted chunks); returns what joins
+        the decoder batch. A failed chunk fails only its own requests."""
         now = time.monotonic()
         live = [item for item in items if item.finished_reason(now) is None]
         backend = self.backend
@@ -561,14 +611,7 @@ class Scheduler:
                 searches.append(make_search(item.job.options, backend.eos_token_id,
                                             backend.decoder_start_token_id))
             groups.append(Joining(searches, chunk, cross, attention_mask))
-        # one join for every chunk: each join copies the whole running cache, so a wave cut
-        # into 4 encoder batches joined one by one copied its cross K/V about 2.5 times
-        # (opus-mt-base, 32 rows: 60-90 ms a wave)
-        try:
-            self._batch.join(groups)
-        except Exception as exc:  # the batch may be half-joined: start over
-            self._fail_batch("encode", exc, {item.job for group in groups
-                                             for item in group.tags})
+        return groups
 
     def _drop_finished_rows(self) -> None:
         """Remove the rows of cancelled, expired and failed requests before the next step."""
@@ -681,6 +724,10 @@ class Scheduler:
             queue.clear()
         for member in self._batch.members:
             member.tag.job._fail(error)
+        for group in self._ahead:
+            for item in group.tags:
+                item.job._fail(error)
+        self._ahead = []
         self._batch = DecodeBatch(self.backend)
         self._queued_jobs = 0
         self.metrics.queue_depth.set(0)
