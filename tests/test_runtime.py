@@ -537,6 +537,76 @@ def test_concat_rows_pads_and_stacks_like_pad_then_concatenate(device_cache: boo
     for want, tensor in zip(expected, got, strict=True):
         array = tensor.numpy() if isinstance(tensor, ort.OrtValue) else tensor
         np.testing.assert_array_equal(array, want)
+    # first_rows: the first part's rows 1 then 0 only (how a join drops retired rows)
+    picked = runtime.concat_rows(parts, 7, left=left, first_rows=np.array([1, 0]))
+    for want, tensor in zip(expected, picked, strict=True):
+        array = tensor.numpy() if isinstance(tensor, ort.OrtValue) else tensor
+        np.testing.assert_array_equal(array, np.concatenate([want[[1, 0]], want[2:]]))
+    picked = runtime.concat_rows(parts, 7, left=left, first_rows=np.array([1]))
+    assert all(len(t.numpy() if isinstance(t, ort.OrtValue) else t) == 7 for t in picked)
     if not device_cache:
         with pytest.raises(ValueError, match="cannot join"):
             runtime.concat_rows(parts, 6, left=left)  # a part is longer than 6
+
+
+@pytest.mark.parametrize("device_cache", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("policy", ["default", "until-join", "at-once"])
+def test_finished_rows_retire_until_a_compaction(device_cache: bool, policy: str) -> None:
+    """Rows of finished searches stay in the batch (retired) until enough of them, or a join,
+    make a copy worth it; whenever they leave, every search decodes as if alone. With
+    retirement until the join, the running cache is copied only by the join."""
+    from tfserve.generation import DecodeBatch, Joining, make_search
+
+    runtime = Runtime(artifacts("rope", "pre"), device_cache=device_cache)
+    sources, _ = mixed_batch(runtime, [5, 3, 9, 2, 7, 4], seed=6)
+    # different lengths, so rows finish on different steps; beams and samples among them
+    options = [DecodingOptions(max_new_tokens=n, min_new_tokens=n, **extra).validate(100)
+               for n, extra in ((2, {}), (7, {"num_beams": 2}), (4, {}),
+                                (9, {"do_sample": True, "seed": 3}), (3, {}), (6, {}))]
+    alone = {}
+    for tag, (source, opts) in enumerate(zip(sources, options)):
+        ids, mask = runtime.tokenizer.pad_batch([source])
+        alone[tag] = [h.token_ids for h in generate(runtime, ids, mask, opts)[0]]
+
+    def group(rows: list[int]) -> Joining:
+        ids, mask = runtime.tokenizer.pad_batch([sources[r] for r in rows])
+        _, cross = runtime.encode(ids, mask)
+        return Joining([make_search(options[r], runtime.eos_token_id,
+                                    runtime.decoder_start_token_id) for r in rows],
+                       rows, cross, mask)
+
+    batch = DecodeBatch(runtime)
+    if policy == "until-join":
+        batch.RETIRED_SHARE, batch.RETIRED_STEPS = 0, 10**6
+    elif policy == "at-once":
+        batch.RETIRED_SHARE = 10**6
+    compactions = []  # steps where rows left the batch outside a join
+    reorder = batch._reorder
+
+    def counting_reorder(index, members, member_index):  # noqa: ANN001, ANN202
+        if len(members) < len(batch.slots):
+            compactions.append(batch.steps)
+        reorder(index, members, member_index)
+
+    batch._reorder = counting_reorder  # type: ignore[method-assign]
+    batch.join([group([0, 1, 2, 3])])
+    out: dict[int, list] = {}
+    for step in range(20):
+        if step == 5:
+            retired = batch.retired_rows
+            live = batch.rows - retired
+            batch.join([group([4, 5])])
+            assert batch.retired_rows == 0 and batch.rows == live + 2
+            if policy == "until-join":
+                assert retired == 2 and not compactions  # rows 0 and 2 waited for the join
+        for tag, search in batch.step():
+            out[tag] = [h.token_ids for h in search.results()]
+        assert (batch.position_ids < runtime.max_target_positions).all()
+        if not len(batch):
+            break
+    assert out == alone
+    assert batch.rows == 0 and not batch.slots
+    if policy == "at-once":  # a copy on every step where a search finished
+        assert len(compactions) >= 4
+    elif policy == "until-join":  # after the join, only the last search's end empties it
+        assert len(compactions) == 1

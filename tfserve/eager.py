@@ -76,7 +76,9 @@ class EagerBackend:
         return [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in cache]
 
     def concat_rows(self, caches: Sequence[KVCache], length: int | None = None,
-                    left: bool = False) -> KVCache:
+                    left: bool = False, first_rows: np.ndarray | None = None) -> KVCache:
+        if first_rows is not None:
+            caches = [self.take_rows(caches[0], first_rows), *caches[1:]]
         if length is not None:
             caches = [self.pad_time(cache, length, left) for cache in caches]
         return [

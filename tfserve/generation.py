@@ -78,10 +78,11 @@ class Backend(Protocol):
         """
 
     def concat_rows(self, caches: Sequence[Cache], length: int | None = None,
-                    left: bool = False) -> Cache:
+                    left: bool = False, first_rows: np.ndarray | None = None) -> Cache:
         """Rows of several caches stacked (axis 0). Their time axes (2) must agree, unless
         `length` is given: then each is zero-padded to it on the left or on the right (in the
-        same pass, where the backend can)."""
+        same pass, where the backend can). first_rows: only these rows of the first cache,
+        in this order (taken in the same pass, where the backend can)."""
 
     def pad_time(self, cache: Cache, length: int, left: bool) -> Cache:
         """Zero-pad the time axis (2) to `length`, on the left or on the right."""
@@ -536,9 +537,37 @@ def make_search(options: DecodingOptions, eos_token_id: int, start_token_id: int
 
 @dataclass
 class _Member:
-    search: Search
+    search: Search | _Retired
     tag: Any  # the caller's handle (a request, an index)
     encoder_rows: int = 0  # valid source tokens, for trimming the cross-attention time axis
+
+    @property
+    def retired(self) -> bool:
+        return isinstance(self.search, _Retired)
+
+
+class _Retired:
+    """The rows of a finished search, left in the batch until the next compaction: they
+    step along on pad tokens at position 0, and what the decoder makes of them is ignored.
+
+    Dropping a finished row means a copy of the whole cache (the other rows' self and cross
+    K/V): with rows finishing one by one, as sentences of different lengths do, that was a
+    copy per step. Retired rows wait for the next join, which copies the cache anyway and
+    drops them in the same pass, or for enough of them to be worth a copy of their own
+    (`DecodeBatch.RETIRED_SHARE`, `RETIRED_STEPS`).
+    """
+
+    def __init__(self, rows: int, pad_token_id: int, since: int) -> None:
+        self.rows = rows
+        self.since = since  # the batch's step count when it retired
+        self.last_tokens = np.full(rows, pad_token_id, np.int64)
+        self.parents = np.arange(rows)
+
+    def top_needed(self) -> int:
+        return 1  # any candidates will do: they are ignored
+
+    def candidates_per_row(self) -> int:
+        return 0
 
 
 class Joining(NamedTuple):
@@ -566,7 +595,9 @@ class DecodeBatch:
     """
 
     backend: Backend
-    members: list[_Member] = field(default_factory=list)
+    # every member's rows, in row order; finished members' rows stay as _Retired until the
+    # next compaction
+    slots: list[_Member] = field(default_factory=list)
     past: Cache = None
     cross: Cache = None
     self_attention_mask: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
@@ -579,12 +610,37 @@ class DecodeBatch:
     # always from the full logits; both give the same tokens, see tests/test_runtime.py)
     use_top_candidates: bool = True
 
+    # compact (copy the cache without the retired rows) when they are this share of the rows
+    # (1/RETIRED_SHARE), or when the oldest retired RETIRED_STEPS steps ago
+    RETIRED_SHARE = 8
+    RETIRED_STEPS = 8
+
     @property
     def rows(self) -> int:
         return int(self.position_ids.shape[0])
 
+    @property
+    def members(self) -> list[_Member]:
+        """The searches still running, in row order."""
+        return [member for member in self.slots if not member.retired]
+
+    @property
+    def retired_rows(self) -> int:
+        return sum(member.search.rows for member in self.slots if member.retired)
+
     def __len__(self) -> int:
-        return len(self.members)
+        return sum(1 for member in self.slots if not member.retired)
+
+    def _live_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """Rows and slot positions of the running members (the retired ones dropped)."""
+        rows, positions, row = [], [], 0
+        for position, member in enumerate(self.slots):
+            if not member.retired:
+                rows.append(np.arange(row, row + member.search.rows))
+                positions.append(position)
+            row += member.search.rows
+        return (np.concatenate(rows) if rows else np.zeros(0, np.int64),
+                np.array(positions, np.int64))
 
     def add(self, searches: Sequence[Search], tags: Sequence[Any], cross: Cache,
             encoder_attention_mask: np.ndarray) -> None:
@@ -605,6 +661,16 @@ class DecodeBatch:
         count = sum(len(group.searches) for group in groups)
         masks = [group.encoder_attention_mask.astype(np.int64, copy=False) for group in groups]
         crosses = [group.cross for group in groups]
+        # retired rows leave in the copy the join makes anyway
+        keep_rows, keep_slots = None, None
+        if self.rows and self.retired_rows:
+            keep_rows, keep_slots = self._live_index()
+            self.slots = [self.slots[i] for i in keep_slots]
+            self.self_attention_mask = self.self_attention_mask[keep_rows]
+            self.encoder_attention_mask = self.encoder_attention_mask[keep_slots]
+            self.position_ids = self.position_ids[keep_rows]
+            self.last_tokens = self.last_tokens[keep_rows]
+            self._per_row = None
         if self.rows:
             masks.insert(0, self.encoder_attention_mask)
             crosses.insert(0, self.cross)
@@ -612,14 +678,16 @@ class DecodeBatch:
         backend = self.backend
         # every member's cross K/V and mask padded on the right to the longest source
         self.cross = (backend.pad_time(crosses[0], src_len, left=False) if len(crosses) == 1
-                      else backend.concat_rows(crosses, src_len, left=False))
+                      else backend.concat_rows(crosses, src_len, left=False,
+                                               first_rows=keep_slots))
         masks = [_pad_right(mask, src_len) for mask in masks]
         self.encoder_attention_mask = masks[0] if len(masks) == 1 else np.concatenate(masks)
         new_past = backend.empty_past(count)
         if self.rows:
             # the newcomers have no history: holes (mask 0) where the others have a cache
             past_len = self.self_attention_mask.shape[1]
-            self.past = backend.concat_rows([self.past, new_past], past_len, left=True)
+            self.past = backend.concat_rows([self.past, new_past], past_len, left=True,
+                                            first_rows=keep_rows)
             self.self_attention_mask = np.concatenate(
                 [self.self_attention_mask, np.zeros((count, past_len), np.int64)])
         else:
@@ -629,7 +697,7 @@ class DecodeBatch:
         for group in groups:
             for search, tag, valid in zip(group.searches, group.tags,
                                           group.encoder_attention_mask.sum(axis=1)):
-                self.members.append(_Member(search, tag, int(valid)))
+                self.slots.append(_Member(search, tag, int(valid)))
                 starts.append(search.last_tokens[0])
         self.position_ids = np.concatenate([self.position_ids, np.zeros(count, np.int64)])
         self.last_tokens = np.concatenate([self.last_tokens, np.array(starts, np.int64)])
@@ -637,11 +705,13 @@ class DecodeBatch:
     def remove(self, tags: set[Any]) -> list[Search]:
         """Drop the members with these tags (cancelled, expired) before the next step."""
         keep_index, kept, kept_members, removed, row = [], [], [], [], 0
-        for position, member in enumerate(self.members):
+        for position, member in enumerate(self.slots):
             rows = range(row, row + member.search.rows)
             row += member.search.rows
+            if member.retired:
+                continue  # a copy is made: retired rows leave with these
             if member.tag in tags:
-                removed.append(member.search)
+                removed.append(member.search)  # type: ignore[arg-type]
             else:
                 kept.append(member)
                 kept_members.append(position)
@@ -653,7 +723,7 @@ class DecodeBatch:
 
     def _cross_for_step(self) -> tuple[Cache, np.ndarray]:
         """The cross K/V and encoder mask in the form the decoder takes this step."""
-        layout = tuple(member.search.rows for member in self.members)
+        layout = tuple(member.search.rows for member in self.slots)
         grouped = getattr(self.backend, "grouped_cross", False)
         if len(set(layout)) == 1 and (grouped or layout[0] == 1):
             return self.cross, self.encoder_attention_mask  # [M,...]: G rows per member
@@ -667,7 +737,7 @@ class DecodeBatch:
 
     def step(self) -> list[tuple[Any, Search]]:
         """Run one decoder step for every row; returns the members that finished."""
-        if not self.members:
+        if not len(self):
             return []
         cross, encoder_attention_mask = self._cross_for_step()
         # [R,P] -> [R,P+1]: the new token's column; the same array is the mask of the cache
@@ -694,35 +764,58 @@ class DecodeBatch:
             # [R,V]; the backend hands over a fresh array, so score_rows edits it in place;
             # beam candidates of every row come from one threaded pass
             logits = out.logits[:, -1, :].astype(np.float32, copy=False)
-            beam_k = max((m.search.candidates_per_row() for m in self.members), default=0)
+            beam_k = max((m.search.candidates_per_row() for m in self.slots), default=0)
             lse, best = score_rows(logits, banned, beam_k)  # [R], [R,k]
-        gather, tokens, kept, kept_members, finished, row = [], [], [], [], [], 0
-        for position, member in enumerate(self.members):
-            rows = member.search.rows
+        gather, tokens, finished, retired, row = [], [], [], [], 0
+        for position, member in enumerate(self.slots):
+            search, rows = member.search, member.search.rows
+            if isinstance(search, _Retired):
+                gather.append(search.parents + row)
+                tokens.append(search.last_tokens)
+                retired.append(np.arange(row, row + rows))
+                row += rows
+                continue
             if top is not None:
-                parents, new_tokens = member.search.advance_candidates(
+                parents, new_tokens = search.advance_candidates(
                     top[0][row : row + rows], top[1][row : row + rows])
             else:
-                parents, new_tokens = member.search.advance(
+                parents, new_tokens = search.advance(
                     logits[row : row + rows], lse[row : row + rows],
                     None if best is None else best[row : row + rows])
+            search.rows = len(parents)
+            search.last_tokens = new_tokens
+            if search.done:  # its rows stay, retired, until the next compaction
+                finished.append((member.tag, search))
+                self.slots[position] = member = _Member(_Retired(rows, pad, self.steps), None)
+                parents, new_tokens = member.search.parents, member.search.last_tokens
+                retired.append(np.arange(row, row + rows))
             gather.append(parents + row)
             tokens.append(new_tokens)
-            member.search.rows = len(parents)
-            member.search.last_tokens = new_tokens
             row += rows
-            if member.search.done:
-                finished.append((member.tag, member.search))
-            else:
-                kept.append(member)
-                kept_members.append(position)
-        index = np.concatenate(gather) if gather else np.zeros(0, np.int64)
+        index = np.concatenate(gather) if gather else np.zeros(0, np.int64)  # old row per row
+        last_tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
         self.position_ids = self.position_ids + 1
-        # the encoder side is per member: it changes only when members leave
-        same_members = len(kept) == len(self.members)
-        self._reorder(index, kept, None if same_members else np.array(kept_members, np.int64))
-        self.last_tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
+        if retired:
+            self.position_ids[np.concatenate(retired)] = 0  # never past the position table
+        if retired and self._compact_now():
+            # the retired rows leave: keep_rows are the running rows after this step
+            keep_rows, keep_slots = self._live_index()
+            self._reorder(index[keep_rows], [self.slots[i] for i in keep_slots], keep_slots)
+            last_tokens = last_tokens[keep_rows]
+        else:
+            self._reorder(index, self.slots, None)  # the encoder side (per member) unchanged
+        self.last_tokens = last_tokens
         return finished
+
+    def _compact_now(self) -> bool:
+        """Whether the retired rows should leave now rather than at the next join."""
+        live = len(self)
+        retired = [member.search for member in self.slots if member.retired]
+        if not live or not retired:
+            return bool(retired)
+        share = sum(search.rows for search in retired) * self.RETIRED_SHARE >= self.rows
+        oldest = min(search.since for search in retired)  # type: ignore[union-attr]
+        return share or self.steps - oldest >= self.RETIRED_STEPS
 
     def _candidates(self, out: StepOutput, banned: int | None
                     ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -749,7 +842,7 @@ class DecodeBatch:
         member_index: which of the previous members `members` are (None: the same ones).
         """
         previous_rows = self.rows
-        self.members = members
+        self.slots = members
         if not members:
             self.past = self.cross = None
             self.self_attention_mask = np.zeros((0, 0), np.int64)

@@ -328,7 +328,10 @@ class Runtime:
         return self._each(lambda t: t[index], cache)  # fancy indexing: faster than np.take
 
     def concat_rows(self, caches: Sequence[Sequence[Any]], length: int | None = None,
-                    left: bool = False) -> list[Any]:
+                    left: bool = False, first_rows: np.ndarray | None = None) -> list[Any]:
+        if first_rows is not None and (self.cache_ops or length is None):
+            caches = [self.take_rows(caches[0], first_rows), *caches[1:]]
+            first_rows = None
         if self.cache_ops:
             if length is not None:
                 caches = [self.pad_time(cache, length, left) for cache in caches]
@@ -340,21 +343,25 @@ class Runtime:
             return self._each(lambda i: np.concatenate([c[i] for c in caches], axis=0),
                               range(len(caches[0])), sum(t.nbytes for c in caches for t in c))
 
+        counts = [c[0].shape[0] if len(c) else 0 for c in caches]
+        if first_rows is not None:
+            counts[0] = len(first_rows)
+
         def stack(i: int) -> np.ndarray:
-            # one pass: each part copied into its rows, only the padding zeroed (padding
-            # first and stacking after copied the whole cache twice)
+            # one pass: each part copied into its rows (the first cache's `first_rows` only),
+            # only the padding zeroed (padding first and stacking after copied the whole
+            # cache twice)
             first = caches[0][i]
-            rows = sum(c[i].shape[0] for c in caches)
-            out = np.empty((rows, first.shape[1], length, first.shape[3]), first.dtype)
+            out = np.empty((sum(counts), first.shape[1], length, first.shape[3]), first.dtype)
             row = 0
-            for cache in caches:
+            for part_index, cache in enumerate(caches):
                 part = cache[i]
                 if part.dtype != out.dtype or part.shape[2] > length:
                     raise ValueError(f"concat_rows: a {part.dtype} part of length "
                                      f"{part.shape[2]} cannot join {out.dtype} rows of "
                                      f"length {length}")
-                end = row + part.shape[0]
-                _place(out[row:end], part, left)
+                end = row + counts[part_index]
+                _place(out[row:end], part, left, first_rows if part_index == 0 else None)
                 row = end
             return out
 
@@ -383,16 +390,21 @@ class Runtime:
         return self._each(lambda t: np.ascontiguousarray(t[:, :, start:stop]), cache)
 
 
-def _place(out: np.ndarray, part: np.ndarray, left: bool) -> None:
-    """Write part [N,H,p,Dh] into out [N,H,length,Dh] (p <= length) on the left or the right
-    of the time axis, and zero the rest of it."""
-    extra = out.shape[2] - part.shape[2]
+def _place(out: np.ndarray, part: np.ndarray, left: bool, rows: np.ndarray | None = None
+           ) -> None:
+    """Write part [N,H,p,Dh] (or its `rows`) into out [N,H,length,Dh] (p <= length) on the
+    left or the right of the time axis, and zero the rest of it."""
+    p = part.shape[2]
+    extra = out.shape[2] - p
+    target = out[:, :, extra:] if left else out[:, :, :p]
+    if rows is None:
+        target[...] = part
+    else:
+        np.take(part, rows, axis=0, out=target)  # gathered straight into place
     if left:
         out[:, :, :extra] = 0
-        out[:, :, extra:] = part
     else:
-        out[:, :, : part.shape[2]] = part
-        out[:, :, part.shape[2]:] = 0
+        out[:, :, p:] = 0
 
 
 def _int64(array: np.ndarray) -> np.ndarray:
