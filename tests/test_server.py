@@ -763,6 +763,28 @@ def test_loadgen_smoke(server: ServerThread, capsys: pytest.CaptureFixture[str])
     assert main(["--server", "192.0.2.1:50051"]) == 2  # not loopback
 
 
+def test_loadgen_rounds_bracket_each_served_run_with_offline_runs() -> None:
+    """drift_rounds: offline, served, offline, ...; each ratio uses the two offline runs
+    around its served run (a machine that slows down during the run does not bias it)."""
+    from tfserve.loadgen import drift_rounds
+
+    calls: list[str] = []
+    speed = iter([100.0, 80.0, 60.0, 40.0])  # the machine slows down run after run
+    served = iter([90.0, 63.0, 45.0])
+
+    def offline() -> float:
+        calls.append("offline")
+        return next(speed)
+
+    def serve() -> float:
+        calls.append("served")
+        return next(served)
+
+    rounds = drift_rounds(3, serve, offline)
+    assert calls == ["offline", "served"] * 3 + ["offline"]
+    assert rounds["ratios"] == [1.0, 0.9, 0.9] and rounds["median_ratio"] == 0.9
+
+
 def test_proto_build_is_reproducible(tmp_path: Path) -> None:
     from tfserve import proto_build
 

@@ -19,6 +19,9 @@ With --offline DIR (the artifacts the server serves) and --threads N (the server
 texts are first translated in-process by the offline runtime: at batch 32 (throughput) and one
 at a time (latency); then the served figures are printed as ratios of the offline ones
 (throughput at 32 clients / offline batch-32 throughput, p50 at 1 client / offline p50).
+On a machine whose speed drifts (shared cores), --rounds N then measures the 32-client level
+N more times, each between two offline batch-32 measurements, and prints each round's ratio
+to the mean of the two around it, and their median.
 
 Only loopback targets are accepted unless --allow-remote: this is a benchmark, not a way to
 load someone else's server.
@@ -279,31 +282,45 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--processes", type=int, default=0,
                         help="load generator processes (0: one per core, at most one per "
                              "client)")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="with --offline: 32-client runs, each between two offline "
+                             "batch-32 runs, for a drift-resistant median ratio (0: none)")
     parser.add_argument("--server-pid", type=int, default=None,
                         help="the server's process id (same machine): also print its CPU "
                              "time per request")
     return parser
 
 
-def offline_figures(artifacts: Path, threads: int, texts: list[str], options: dict[str, Any],
-                    count: int = 256) -> dict[str, float]:
-    """Offline tokens/s at batch 32 and p50 latency of single texts, same texts and options."""
+def offline_translator(artifacts: Path, threads: int) -> Any:
     from tfserve.translator import Translator
 
-    translator = Translator(artifacts, intra_op_threads=threads, max_batch_size=32)
+    return Translator(artifacts, intra_op_threads=threads, max_batch_size=32)
+
+
+def offline_throughput(translator: Any, texts: list[str], options: dict[str, Any],
+                       count: int = 256) -> tuple[float, float]:
+    """Offline (tokens/s, texts/s) at batch 32 over the first `count` texts."""
     sample = texts[:count]
     translator.translate_hypotheses(sample[:32], **options)  # warm-up
     started = time.perf_counter()
     hyps = translator.translate_hypotheses(sample, **options)
     seconds = time.perf_counter() - started
-    tokens = sum(len(h[0].token_ids) for h in hyps)
+    return sum(len(h[0].token_ids) for h in hyps) / seconds, len(sample) / seconds
+
+
+def offline_figures(artifacts: Path, threads: int, texts: list[str], options: dict[str, Any],
+                    count: int = 256, translator: Any = None) -> dict[str, float]:
+    """Offline tokens/s at batch 32 and p50 latency of single texts, same texts and options."""
+    translator = translator or offline_translator(artifacts, threads)
+    sample = texts[:count]
+    tokens_per_s, texts_per_s = offline_throughput(translator, texts, options, count)
     single = []
     for text in sample[:64]:
         started = time.perf_counter()
         translator.translate_hypotheses([text], **options)
         single.append(time.perf_counter() - started)
-    return {"batch32_tokens_per_s": round(tokens / seconds, 1),
-            "batch32_texts_per_s": round(len(sample) / seconds, 2),
+    return {"batch32_tokens_per_s": round(tokens_per_s, 1),
+            "batch32_texts_per_s": round(texts_per_s, 2),
             "single_p50_ms": round(float(np.percentile(np.array(single) * 1000.0, 50)), 2)}
 
 
@@ -332,9 +349,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_new_tokens:
         options["max_new_tokens"] = args.max_new_tokens
 
-    offline = None
+    offline = translator = None
     if args.offline is not None:
-        offline = offline_figures(args.offline, args.threads, texts, options)
+        translator = offline_translator(args.offline, args.threads)
+        offline = offline_figures(args.offline, args.threads, texts, options,
+                                  translator=translator)
 
     def level(concurrency: int, requests: int) -> LevelResult:
         return run_level(args.server, concurrency, requests, args.duration, texts,
@@ -373,7 +392,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(ratios) if args.json else
               f"offline: {offline}\nserved / offline: "
               f"{ {k: v for k, v in ratios.items() if k != 'offline'} }")
+    if translator is not None and args.rounds > 0:
+        rounds = drift_rounds(args.rounds, lambda: level(32, args.requests).tokens_per_s,
+                              lambda: offline_throughput(translator, texts, options)[0])
+        print(json.dumps(rounds) if args.json else
+              f"rounds (32 clients / mean of the offline runs around): {rounds['ratios']}, "
+              f"median {rounds['median_ratio']}")
     return 1 if any(r.errors for r in results) else 0
+
+
+def drift_rounds(count: int, served: Any, offline: Any) -> dict[str, Any]:
+    """`count` served measurements, each between two offline ones: offline, served, offline,
+    served, ..., offline. Returns the served and offline figures, each round's ratio of
+    served to the mean of the offline figures around it, and their median."""
+    offline_runs, served_runs = [offline()], []
+    for _ in range(count):
+        served_runs.append(served())
+        offline_runs.append(offline())
+    ratios = [round(s / ((a + b) / 2.0), 3)
+              for s, a, b in zip(served_runs, offline_runs, offline_runs[1:])]
+    return {"served_tokens_per_s": [round(s, 1) for s in served_runs],
+            "offline_tokens_per_s": [round(o, 1) for o in offline_runs],
+            "ratios": ratios, "median_ratio": round(float(np.median(ratios)), 3)}
 
 
 if __name__ == "__main__":
