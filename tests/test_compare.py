@@ -34,6 +34,18 @@ def test_unknown_engine_is_a_usage_error(capsys) -> None:
     assert "nope" in capsys.readouterr().err
 
 
+def test_passes_keep_each_engines_best_case() -> None:
+    rows = [{"engine": "a", "case": "x", "tok_s": 10.0, "pass": 1},
+            {"engine": "b", "case": "x", "tok_s": 7.0, "pass": 1},
+            {"engine": "a", "case": "x", "tok_s": 12.0, "pass": 2},
+            {"engine": "b", "case": "x", "tok_s": 6.0, "pass": 2}]
+    best = compare.best_rows(rows)
+    assert best[("a", "x")]["pass"] == 2 and best[("b", "x")]["pass"] == 1
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main(["--passes", "0"])
+    assert exit_info.value.code == 2
+
+
 @pytest.mark.slow
 def test_quick_compare_runs_every_engine(tmp_path, capsys) -> None:
     for module in ("torch", "onnx", "transformers", "ctranslate2"):

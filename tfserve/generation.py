@@ -591,7 +591,8 @@ class DecodeBatch:
     never copy their sentence's K/V. When every member has the same number of rows G, the
     decoder gets them as they are (grouped cross-attention, graph revision 5); otherwise
     (or with older graphs) they are repeated to one per row for the step, and that copy is
-    kept until the layout changes.
+    kept until the layout changes. `slots` holds every member's rows, finished ones included
+    until a compaction (`_Retired`); `members` are the searches still running.
     """
 
     backend: Backend

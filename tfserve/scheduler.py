@@ -5,11 +5,13 @@ is only ever called from it) and runs this loop:
 
     take queued items            (FIFO; rows reserved <= max_batch_size)
     -> encode them               (length-sorted batches under max_batch_size / max_batch_tokens)
-    -> join the DecodeBatch      (generation.DecodeBatch.add)
+    -> join the DecodeBatch      (generation.DecodeBatch.join)
     -> drop rows of cancelled, expired and failed requests (DecodeBatch.remove)
     -> one decoder step          (DecodeBatch.step) -> stream tokens, resolve finished requests
     -> repeat; sleep on a condition when there is nothing to do
 
+(while an idle worker waits for a wave of returning requests, it encodes them as they come and
+joins them together when the wait ends: `_gather_deadline`, `SchedulerConfig.encode_ahead`),
 so a request that arrives while others are decoding joins at the next step instead of waiting
 for the running batch to finish, and the rows a finished or cancelled request frees are reused
 at once. Encode requests (sentence embeddings) go through the same worker, batched the same way.
