@@ -610,3 +610,37 @@ def test_finished_rows_retire_until_a_compaction(device_cache: bool, policy: str
         assert len(compactions) >= 4
     elif policy == "until-join":  # after the join, only the last search's end empties it
         assert len(compactions) == 1
+
+
+@pytest.mark.parametrize("device_cache", [False, True], ids=["host", "device"])
+def test_steady_joins_keep_the_cache_as_short_as_its_rows_need(device_cache: bool) -> None:
+    """Two searches join at every step and each lives 12 steps (about 24 rows: one retired
+    row per step is under the share that compacts): the retired rows leave in the joins'
+    copies, and so do the cache columns no kept row uses (left holes, right source padding),
+    so the cache stays as short as the rows need instead of growing every step."""
+    from tfserve.generation import DecodeBatch, make_search
+
+    runtime = Runtime(artifacts("rope", "pre"), device_cache=device_cache)
+    sources, _ = mixed_batch(runtime, [9, 2, 5, 3, 8, 4, 6, 2] * 8, seed=8)
+    options = DecodingOptions(max_new_tokens=12, min_new_tokens=12).validate(100)
+    batch = DecodeBatch(runtime)
+    out: dict[int, list] = {}
+    for step in range(len(sources) // 2 + 14):
+        tags = [2 * step, 2 * step + 1] if 2 * step < len(sources) else []
+        if tags:
+            ids, mask = runtime.tokenizer.pad_batch([sources[t] for t in tags])
+            _, cross = runtime.encode(ids, mask)
+            batch.add([make_search(options, runtime.eos_token_id,
+                                   runtime.decoder_start_token_id) for _ in tags],
+                      tags, cross, mask)
+            assert batch.encoder_attention_mask.shape[1] == max(
+                member.encoder_rows for member in batch.slots)
+        if batch.self_attention_mask.shape[1]:
+            assert batch.self_attention_mask.shape[1] <= 14, step
+            assert batch.self_attention_mask[:, 0].any(), step  # no column that is all holes
+        for tag, search in batch.step():
+            out[tag] = [h.token_ids for h in search.results()]
+    for tag, source in enumerate(sources[:6]):
+        ids, mask = runtime.tokenizer.pad_batch([source])
+        assert out[tag] == [h.token_ids for h in generate(runtime, ids, mask, options)[0]]
+    assert len(out) == len(sources) and not len(batch)

@@ -430,8 +430,9 @@ def test_idle_worker_encodes_returning_rows_ahead(random_runtime: Any,
                 outcomes.append(None)
     if encode_ahead:
         assert len(encoder_runs) == 3
-        assert all(run - arrival < 0.03 for run, arrival in zip(encoder_runs, sent)), [
-            run - arrival for run, arrival in zip(encoder_runs, sent)]
+        # each encoded while the next was on its way, not all once the wait ended
+        assert all(arrival <= run < later for run, arrival, later in zip(
+            encoder_runs, sent, [*sent[1:], sent[-1] + 0.045])), (encoder_runs, sent)
         assert outcomes[1] is None and scheduler.stats.model_errors == 1
         assert first_step_rows == [2]  # the two encoded ones joined together
         assert all(same(outcomes[i][0], expected[0]) for i in (0, 2))
@@ -439,6 +440,41 @@ def test_idle_worker_encodes_returning_rows_ahead(random_runtime: Any,
         assert len(encoder_runs) == 1 and encoder_runs[0] >= sent[2]
         assert first_step_rows == [3]
         assert all(same(outcome[0], expected[0]) for outcome in outcomes)
+
+
+def test_an_encode_request_does_not_end_the_wait_for_company(random_runtime: Any) -> None:
+    """An Encode request that arrives while returning translate rows are encoded ahead and
+    held is served at once, and the held rows keep waiting for the rest of their wave."""
+    from tfserve.generation import DecodingOptions
+    from tfserve.scheduler import Scheduler, SchedulerConfig
+
+    source = random_runtime.tokenizer.encode("seven")
+    short = DecodingOptions(max_new_tokens=3, min_new_tokens=3)
+    first_step_rows: list[int] = []
+
+    def hook(stage: str) -> None:
+        if stage == "step":
+            time.sleep(0.04)
+            if not first_step_rows:
+                first_step_rows.append(scheduler._batch.rows)
+
+    with Scheduler(random_runtime, SchedulerConfig(max_batch_size=8, max_wait_ms=0)) as scheduler:
+        scheduler.test_hook = hook
+        first = DecodingOptions(max_new_tokens=8, min_new_tokens=8)
+        for job in [scheduler.submit_translate([source], first) for _ in range(3)]:
+            job.result(30)
+        first_step_rows.clear()
+        again = [scheduler.submit_translate([source], short)]
+        time.sleep(0.03)
+        encode = scheduler.submit_encode([source])
+        encode.result(30)
+        for _ in range(2):
+            time.sleep(0.02)
+            again.append(scheduler.submit_translate([source], short))
+        for job in again:
+            job.result(30)
+    assert encode.queue_seconds < 0.03
+    assert first_step_rows == [3]
 
 
 def test_encode_requests_never_wait_for_returning_rows(random_runtime: Any) -> None:
@@ -761,6 +797,7 @@ def test_loadgen_smoke(server: ServerThread, capsys: pytest.CaptureFixture[str])
     lines = capsys.readouterr().out.strip().splitlines()
     assert code == 0 and len(lines) == 2 and '"concurrency": 4' in lines[1]
     assert main(["--server", "192.0.2.1:50051"]) == 2  # not loopback
+    assert main(["--server", server.target, "--rounds", "2"]) == 2  # needs --offline
 
 
 def test_loadgen_rounds_bracket_each_served_run_with_offline_runs() -> None:

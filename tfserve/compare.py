@@ -670,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     summaries: dict[str, dict[str, Any]] = {}
     failures: dict[str, str] = {}
-    for engine in [engine for _ in range(args.passes) for engine in engines]:
+    for turn, engine in enumerate([e for _ in range(args.passes) for e in engines]):
         code, got, err = run_child(
             [*common, "--engine", engine, "--repeat", str(repeat), "--new-tokens",
              str(new_tokens), "--cases", ",".join(cases)], threads, args.timeout)
@@ -680,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
                 if before is None or row["peak_rss_mib"] > before["peak_rss_mib"]:
                     summaries[engine] = row
             else:
+                row["pass"] = turn // len(engines) + 1
                 rows.append(row)
                 if not row["lengths_ok"]:
                     print(f"warning: {engine} {row['case']} decoded lengths {row['lengths']}, "

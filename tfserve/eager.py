@@ -76,7 +76,10 @@ class EagerBackend:
         return [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in cache]
 
     def concat_rows(self, caches: Sequence[KVCache], length: int | None = None,
-                    left: bool = False, first_rows: np.ndarray | None = None) -> KVCache:
+                    left: bool = False, first_rows: np.ndarray | None = None,
+                    first_time: tuple[int, int] | None = None) -> KVCache:
+        if first_time is not None:
+            caches = [self.slice_time(caches[0], *first_time), *caches[1:]]
         if first_rows is not None:
             caches = [self.take_rows(caches[0], first_rows), *caches[1:]]
         if length is not None:

@@ -78,11 +78,13 @@ class Backend(Protocol):
         """
 
     def concat_rows(self, caches: Sequence[Cache], length: int | None = None,
-                    left: bool = False, first_rows: np.ndarray | None = None) -> Cache:
+                    left: bool = False, first_rows: np.ndarray | None = None,
+                    first_time: tuple[int, int] | None = None) -> Cache:
         """Rows of several caches stacked (axis 0). Their time axes (2) must agree, unless
         `length` is given: then each is zero-padded to it on the left or on the right (in the
         same pass, where the backend can). first_rows: only these rows of the first cache,
-        in this order (taken in the same pass, where the backend can)."""
+        in this order; first_time: only positions [start, stop) of its time axis (both
+        taken in the same pass, where the backend can)."""
 
     def pad_time(self, cache: Cache, length: int, left: bool) -> Cache:
         """Zero-pad the time axis (2) to `length`, on the left or on the right."""
@@ -662,8 +664,9 @@ class DecodeBatch:
         count = sum(len(group.searches) for group in groups)
         masks = [group.encoder_attention_mask.astype(np.int64, copy=False) for group in groups]
         crosses = [group.cross for group in groups]
-        # retired rows leave in the copy the join makes anyway
-        keep_rows, keep_slots = None, None
+        # retired rows leave in the copy the join makes anyway, and so do the cache columns
+        # that no kept row uses (what _reorder cuts when rows leave between joins)
+        keep_rows = keep_slots = past_time = cross_time = None
         if self.rows and self.retired_rows:
             keep_rows, keep_slots = self._live_index()
             self.slots = [self.slots[i] for i in keep_slots]
@@ -672,6 +675,16 @@ class DecodeBatch:
             self.position_ids = self.position_ids[keep_rows]
             self.last_tokens = self.last_tokens[keep_rows]
             self._per_row = None
+            width = self.self_attention_mask.shape[1]
+            filled = self.self_attention_mask.any(axis=0)
+            first = int(filled.argmax()) if filled.any() else width
+            if first > 0:  # holes of every kept row, on the left
+                past_time = (first, width)
+                self.self_attention_mask = self.self_attention_mask[:, first:]
+            src_len = max(member.encoder_rows for member in self.slots)
+            if src_len < self.encoder_attention_mask.shape[1]:  # padding of every kept row
+                cross_time = (0, src_len)
+                self.encoder_attention_mask = self.encoder_attention_mask[:, :src_len]
         if self.rows:
             masks.insert(0, self.encoder_attention_mask)
             crosses.insert(0, self.cross)
@@ -680,7 +693,7 @@ class DecodeBatch:
         # every member's cross K/V and mask padded on the right to the longest source
         self.cross = (backend.pad_time(crosses[0], src_len, left=False) if len(crosses) == 1
                       else backend.concat_rows(crosses, src_len, left=False,
-                                               first_rows=keep_slots))
+                                               first_rows=keep_slots, first_time=cross_time))
         masks = [_pad_right(mask, src_len) for mask in masks]
         self.encoder_attention_mask = masks[0] if len(masks) == 1 else np.concatenate(masks)
         new_past = backend.empty_past(count)
@@ -688,7 +701,7 @@ class DecodeBatch:
             # the newcomers have no history: holes (mask 0) where the others have a cache
             past_len = self.self_attention_mask.shape[1]
             self.past = backend.concat_rows([self.past, new_past], past_len, left=True,
-                                            first_rows=keep_rows)
+                                            first_rows=keep_rows, first_time=past_time)
             self.self_attention_mask = np.concatenate(
                 [self.self_attention_mask, np.zeros((count, past_len), np.int64)])
         else:

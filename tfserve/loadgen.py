@@ -336,6 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("loadgen: error: --concurrency, --requests and --duration must be positive",
               file=sys.stderr)
         return 2
+    if args.rounds and args.offline is None:
+        print("loadgen: error: --rounds needs --offline (each round is a served run between "
+              "two offline runs)", file=sys.stderr)
+        return 2
     if not args.allow_remote and not is_loopback(args.server):
         print(f"loadgen: error: {args.server} is not a loopback address (--allow-remote)",
               file=sys.stderr)

@@ -328,10 +328,16 @@ class Runtime:
         return self._each(lambda t: t[index], cache)  # fancy indexing: faster than np.take
 
     def concat_rows(self, caches: Sequence[Sequence[Any]], length: int | None = None,
-                    left: bool = False, first_rows: np.ndarray | None = None) -> list[Any]:
-        if first_rows is not None and (self.cache_ops or length is None):
-            caches = [self.take_rows(caches[0], first_rows), *caches[1:]]
-            first_rows = None
+                    left: bool = False, first_rows: np.ndarray | None = None,
+                    first_time: tuple[int, int] | None = None) -> list[Any]:
+        if (first_rows is not None or first_time is not None) and (self.cache_ops
+                                                                    or length is None):
+            first = caches[0]
+            if first_time is not None:
+                first = self.slice_time(first, *first_time)
+            if first_rows is not None:
+                first = self.take_rows(first, first_rows)
+            caches, first_rows, first_time = [first, *caches[1:]], None, None
         if self.cache_ops:
             if length is not None:
                 caches = [self.pad_time(cache, length, left) for cache in caches]
@@ -356,6 +362,8 @@ class Runtime:
             row = 0
             for part_index, cache in enumerate(caches):
                 part = cache[i]
+                if part_index == 0 and first_time is not None:
+                    part = part[:, :, first_time[0]:first_time[1]]  # a view: copied below
                 if part.dtype != out.dtype or part.shape[2] > length:
                     raise ValueError(f"concat_rows: a {part.dtype} part of length "
                                      f"{part.shape[2]} cannot join {out.dtype} rows of "

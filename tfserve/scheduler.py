@@ -383,9 +383,9 @@ class Scheduler:
                         self._cond.wait(wait)
                     else:
                         self._cond.wait()
-                translate_items, encode_items, ahead = self._take()
+                translate_items, encode_items, mode = self._take()
             try:
-                self._iteration(translate_items, encode_items, ahead)
+                self._iteration(translate_items, encode_items, mode)
             except Exception as exc:  # a bug, not a model failure: keep the worker alive
                 log.exception("scheduler iteration failed")
                 pending = {item.job for group in self._ahead for item in group.tags}
@@ -469,11 +469,13 @@ class Scheduler:
                 self._freed.appendleft((at, expected - rows))
             rows -= expected
 
-    def _take(self) -> tuple[list[_Item], list[_Item], bool]:
+    def _take(self) -> tuple[list[_Item], list[_Item], str]:
         """Under the lock: drop dead queued items, take what fits into the next iteration.
 
-        Returns the translate items, the encode items, and whether the translate items are
-        to be encoded ahead (held until the wait for company ends) rather than joined now.
+        Returns the translate items, the encode items, and what becomes of the translate
+        items: "join" the decoder batch now (with any encoded ahead), or, while the wait for
+        company goes on, "ahead" (encode them and hold them) or "hold" (none taken; the
+        ones encoded ahead keep waiting too).
         """
         now = time.monotonic()
         for queue in (self._translate_queue, self._encode_queue):
@@ -507,7 +509,8 @@ class Scheduler:
         self._use_freed(sum(item.max_rows for item in translate_items))
         for item in encode_items + translate_items:
             self._admitted(item, now)
-        return translate_items, encode_items, ahead and bool(translate_items)
+        mode = "join" if not gathering else "ahead" if translate_items else "hold"
+        return translate_items, encode_items, mode
 
     def _admitted(self, item: _Item, now: float) -> None:
         """Bookkeeping when an item leaves the queue (under the lock)."""
@@ -521,13 +524,13 @@ class Scheduler:
             self.metrics.queue_seconds.observe(now - job.submitted)
 
     def _iteration(self, translate_items: list[_Item], encode_items: list[_Item],
-                   ahead: bool = False) -> None:
+                   mode: str = "join") -> None:
         if encode_items:
             self._run_encode(encode_items)
-        if ahead:
+        if mode == "ahead":
             self._ahead += self._encode_items(translate_items)
             return
-        if translate_items or self._ahead:
+        if translate_items or (self._ahead and mode == "join"):
             self._admit(translate_items)
         self._drop_finished_rows()
         if len(self._batch):
@@ -649,7 +652,7 @@ class Scheduler:
     def _step(self) -> None:
         batch = self._batch
         members = list(batch.members)
-        rows = batch.rows
+        rows = batch.rows - batch.retired_rows  # the running searches' rows
         started = time.perf_counter()
         try:
             self._model_call("step")
