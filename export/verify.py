@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tfserve.batch import generate
 from tfserve.eager import EagerBackend
-from tfserve.generation import DecodingOptions, generate
+from tfserve.generation import DecodingOptions
 from tfserve.model import Seq2SeqTransformer
 from tfserve.runtime import Runtime
 

@@ -15,8 +15,9 @@ import torch
 
 from export.cli import main as export_main
 from tests.exported import WORK, artifacts, checkpoint, demo_artifacts, demo_trained, eager_model
+from tfserve.batch import generate
 from tfserve.eager import EagerBackend
-from tfserve.generation import DecodingOptions, generate
+from tfserve.generation import DecodingOptions
 from tfserve.runtime import Runtime
 
 FP32_LOGITS_TOLERANCE = 1e-4

@@ -39,8 +39,9 @@ from export.cli import main as export_main  # noqa: E402
 from export.importers import import_hf, supported_model_types  # noqa: E402
 from export.importers.marian import marian_key_map  # noqa: E402
 from export.sources import SourceError  # noqa: E402
+from tfserve.batch import generate  # noqa: E402
 from tfserve.eager import EagerBackend  # noqa: E402
-from tfserve.generation import DecodingOptions, generate  # noqa: E402
+from tfserve.generation import DecodingOptions  # noqa: E402
 from tfserve.runtime import Runtime  # noqa: E402
 from tfserve.tokenizer import Tokenizer  # noqa: E402
 

@@ -23,8 +23,9 @@ from helpers import (
     tiny_model,
 )
 
+from tfserve.batch import DecodeBatch, generate
 from tfserve.eager import EagerBackend
-from tfserve.generation import DecodeBatch, DecodingOptions, generate, make_search
+from tfserve.generation import DecodingOptions, make_search
 from tfserve.model import (
     CONFIG_FILE,
     WEIGHTS_FILE,

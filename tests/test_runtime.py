@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from tests.exported import artifacts, demo_artifacts, demo_trained, eager_model
+from tfserve.batch import generate
 from tfserve.config import ModelConfig
 from tfserve.eager import EagerBackend
-from tfserve.generation import DecodingOptions, filter_logits, generate, log_softmax
+from tfserve.generation import DecodingOptions, filter_logits, log_softmax
 from tfserve.model import Seq2SeqTransformer
 from tfserve.runtime import Runtime, parse_device
 from tfserve.translator import Translator
@@ -287,7 +288,7 @@ def test_device_strings() -> None:
 
 
 def test_serving_path_does_not_import_torch() -> None:
-    code = ("import sys, tfserve.runtime, tfserve.translator, tfserve.generation, "
+    code = ("import sys, tfserve.runtime, tfserve.translator, tfserve.generation, tfserve.batch, "
             "tfserve.tokenizer, tfserve.manifest; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT,
@@ -359,7 +360,8 @@ def test_device_cache_path_matches_host_path(options: DecodingOptions) -> None:
 
 def test_device_cache_rows_join_a_running_batch() -> None:
     """Continuous batching on the device path: pad + concat when rows join mid-decode."""
-    from tfserve.generation import DecodeBatch, make_search
+    from tfserve.batch import DecodeBatch
+    from tfserve.generation import make_search
 
     results = {}
     for name, runtime in (("host", Runtime(artifacts("sinusoidal", "pre"))),
@@ -393,7 +395,8 @@ def test_device_cache_rows_join_a_running_batch() -> None:
 def test_several_encoder_runs_join_at_once(device_cache: bool) -> None:
     """DecodeBatch.join of several encoder runs (different source lengths, into an empty and
     into a running batch) decodes every source as if it were alone."""
-    from tfserve.generation import DecodeBatch, Joining, make_search
+    from tfserve.batch import DecodeBatch, Joining
+    from tfserve.generation import make_search
 
     runtime = Runtime(artifacts("rope", "pre"), device_cache=device_cache)
     sources, _ = mixed_batch(runtime, [5, 3, 9, 2, 7, 4], seed=4)
@@ -555,7 +558,8 @@ def test_finished_rows_retire_until_a_compaction(device_cache: bool, policy: str
     """Rows of finished searches stay in the batch (retired) until enough of them, or a join,
     make a copy worth it; whenever they leave, every search decodes as if alone. With
     retirement until the join, the running cache is copied only by the join."""
-    from tfserve.generation import DecodeBatch, Joining, make_search
+    from tfserve.batch import DecodeBatch, Joining
+    from tfserve.generation import make_search
 
     runtime = Runtime(artifacts("rope", "pre"), device_cache=device_cache)
     sources, _ = mixed_batch(runtime, [5, 3, 9, 2, 7, 4], seed=6)
@@ -618,7 +622,8 @@ def test_steady_joins_keep_the_cache_as_short_as_its_rows_need(device_cache: boo
     row per step is under the share that compacts): the retired rows leave in the joins'
     copies, and so do the cache columns no kept row uses (left holes, right source padding),
     so the cache stays as short as the rows need instead of growing every step."""
-    from tfserve.generation import DecodeBatch, make_search
+    from tfserve.batch import DecodeBatch
+    from tfserve.generation import make_search
 
     runtime = Runtime(artifacts("rope", "pre"), device_cache=device_cache)
     sources, _ = mixed_batch(runtime, [9, 2, 5, 3, 8, 4, 6, 2] * 8, seed=8)

@@ -74,7 +74,8 @@ def source_batch(vocab: int, eos: int, batch: int, length: int, seed: int) -> tu
 
 def run_cases(backends: dict[str, Any], vocab: int, eos: int, new_tokens: int, source_len: int,
               cases: list[str], repeat: int) -> list[dict[str, Any]]:
-    from tfserve.generation import DecodingOptions, generate
+    from tfserve.batch import generate
+    from tfserve.generation import DecodingOptions
 
     rows = []
     for case in cases:

@@ -265,7 +265,8 @@ class Engine:
 
 class TfserveEngine(Engine):
     def __init__(self, artifacts: Path, threads: int) -> None:
-        from tfserve.generation import DecodingOptions, generate
+        from tfserve.batch import generate
+        from tfserve.generation import DecodingOptions
         from tfserve.runtime import Runtime
 
         self.runtime = Runtime(artifacts, intra_op_threads=threads)

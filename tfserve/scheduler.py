@@ -5,7 +5,7 @@ is only ever called from it) and runs this loop:
 
     take queued items            (FIFO; rows reserved <= max_batch_size)
     -> encode them               (length-sorted batches under max_batch_size / max_batch_tokens)
-    -> join the DecodeBatch      (generation.DecodeBatch.join)
+    -> join the DecodeBatch      (batch.DecodeBatch.join)
     -> drop rows of cancelled, expired and failed requests (DecodeBatch.remove)
     -> one decoder step          (DecodeBatch.step) -> stream tokens, resolve finished requests
     -> repeat; sleep on a condition when there is nothing to do
@@ -41,14 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from tfserve.generation import (
-    Backend,
-    DecodeBatch,
-    DecodingOptions,
-    Hypothesis,
-    Joining,
-    make_search,
-)
+from tfserve.batch import DecodeBatch, Joining
+from tfserve.generation import Backend, DecodingOptions, Hypothesis, make_search
 from tfserve.metrics import Metrics
 from tfserve.translator import POOLINGS, encoder_hidden_states, length_groups, pool
 

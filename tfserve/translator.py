@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from tfserve.generation import Backend, DecodingOptions, Hypothesis, generate
+from tfserve.batch import generate
+from tfserve.generation import Backend, DecodingOptions, Hypothesis
 from tfserve.tokenizer import Tokenizer
 
 POOLINGS = ("mean", "max", "first")
