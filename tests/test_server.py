@@ -458,7 +458,8 @@ def test_an_encode_request_does_not_end_the_wait_for_company(random_runtime: Any
             if not first_step_rows:
                 first_step_rows.append(scheduler._batch.rows)
 
-    with Scheduler(random_runtime, SchedulerConfig(max_batch_size=8, max_wait_ms=0)) as scheduler:
+    config = SchedulerConfig(max_batch_size=8, max_wait_ms=0, encode_ahead=True)
+    with Scheduler(random_runtime, config) as scheduler:
         scheduler.test_hook = hook
         first = DecodingOptions(max_new_tokens=8, min_new_tokens=8)
         for job in [scheduler.submit_translate([source], first) for _ in range(3)]:
@@ -753,6 +754,12 @@ def test_flags_and_env_vars() -> None:
         parse_config([], environ={"TFSERVE_PORT": "many"})
     with pytest.raises(SystemExit):
         parse_config(["--tls-cert", "c.pem"], environ={})
+    assert parse_config([], environ={}).encode_ahead is False
+    assert parse_config([], environ={"TFSERVE_ENCODE_AHEAD": "on"}).scheduler_config().encode_ahead
+    assert parse_config(["--encode-ahead", "false"],
+                        environ={"TFSERVE_ENCODE_AHEAD": "1"}).encode_ahead is False
+    with pytest.raises(SystemExit):
+        parse_config(["--encode-ahead", "maybe"], environ={})
 
 
 def test_graceful_drain_on_sigterm(random_model: Path) -> None:

@@ -91,8 +91,10 @@ class SchedulerConfig:
     # (closed-loop clients); 0: never wait for them
     wave_wait_steps: int = 4
     # while the idle worker waits for company, encode what has arrived (the wait then
-    # overlaps encoder work); the rows join the decoder batch together when the wait ends
-    encode_ahead: bool = True
+    # overlaps encoder work); the rows join the decoder batch together when the wait ends.
+    # Off by default: on 2 shared cores the encoder runs slowed the event loop receiving the
+    # rest of the wave as much as they saved (docs/benchmarks.md, session 4)
+    encode_ahead: bool = False
 
     def validate(self) -> SchedulerConfig:
         for name in ("max_batch_size", "max_batch_tokens", "max_queue"):
