@@ -760,6 +760,30 @@ def test_flags_and_env_vars() -> None:
                         environ={"TFSERVE_ENCODE_AHEAD": "1"}).encode_ahead is False
     with pytest.raises(SystemExit):
         parse_config(["--encode-ahead", "maybe"], environ={})
+    assert parse_config([], environ={}).event_loop == "auto"
+    with pytest.raises(SystemExit):
+        parse_config(["--event-loop", "trio"], environ={})
+
+
+def test_event_loop_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto takes uvloop when installed, else asyncio; asking for a missing uvloop is an
+    error naming the flag."""
+    import sys
+
+    from tfserve.server import event_loop_runner
+
+    assert event_loop_runner("asyncio") is asyncio.run
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    if uvloop is not None:
+        assert event_loop_runner("auto") is uvloop.run
+        assert event_loop_runner("uvloop") is uvloop.run
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now fails
+    assert event_loop_runner("auto") is asyncio.run
+    with pytest.raises(ValueError, match="--event-loop uvloop"):
+        event_loop_runner("uvloop")
 
 
 def test_graceful_drain_on_sigterm(random_model: Path) -> None:
