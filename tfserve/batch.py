@@ -166,14 +166,11 @@ class DecodeBatch:
             self.position_ids = self.position_ids[keep_rows]
             self.last_tokens = self.last_tokens[keep_rows]
             self._per_row = None
-            width = self.self_attention_mask.shape[1]
-            filled = self.self_attention_mask.any(axis=0)
-            first = int(filled.argmax()) if filled.any() else width
-            if first > 0:  # holes of every kept row, on the left
-                past_time = (first, width)
+            first, src_len = self._used_columns()
+            if first > 0:
+                past_time = (first, self.self_attention_mask.shape[1])
                 self.self_attention_mask = self.self_attention_mask[:, first:]
-            src_len = max(member.encoder_rows for member in self.slots)
-            if src_len < self.encoder_attention_mask.shape[1]:  # padding of every kept row
+            if src_len < self.encoder_attention_mask.shape[1]:
                 cross_time = (0, src_len)
                 self.encoder_attention_mask = self.encoder_attention_mask[:, :src_len]
         if self.rows:
@@ -312,6 +309,14 @@ class DecodeBatch:
         self.last_tokens = last_tokens
         return finished
 
+    def _used_columns(self) -> tuple[int, int]:
+        """The first self-attention cache column some row uses, and the source length the
+        longest running member needs: columns that every row has as a hole (left) or as
+        padding (right) are dead weight in every later step, cut by whoever copies next."""
+        filled = self.self_attention_mask.any(axis=0)
+        first = int(filled.argmax()) if filled.any() else self.self_attention_mask.shape[1]
+        return first, max(member.encoder_rows for member in self.slots)
+
     def _compact_now(self) -> bool:
         """Whether the retired rows should leave now rather than at the next join."""
         live = len(self)
@@ -366,15 +371,11 @@ class DecodeBatch:
             self.position_ids = self.position_ids[index]
             if len(self.last_tokens) == previous_rows:
                 self.last_tokens = self.last_tokens[index]
-            # columns that every remaining row has as a hole (left) or as padding (right)
-            # are dead weight in every later step: cut them
-            filled = self.self_attention_mask.any(axis=0)
-            first = int(filled.argmax()) if filled.any() else self.self_attention_mask.shape[1]
+            first, src_len = self._used_columns()
             if first > 0:
                 stop = self.self_attention_mask.shape[1]
                 self.past = self.backend.slice_time(self.past, first, stop)
                 self.self_attention_mask = self.self_attention_mask[:, first:]
-            src_len = max(m.encoder_rows for m in members)
             if src_len < self.encoder_attention_mask.shape[1]:
                 self.cross = self.backend.slice_time(self.cross, 0, src_len)
                 self.encoder_attention_mask = self.encoder_attention_mask[:, :src_len]

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from tfserve.generation import StepOutput
+from tfserve.generation import StepOutput, narrow_first
 from tfserve.model import KVCache, Seq2SeqTransformer
 
 
@@ -78,10 +78,7 @@ class EagerBackend:
     def concat_rows(self, caches: Sequence[KVCache], length: int | None = None,
                     left: bool = False, first_rows: np.ndarray | None = None,
                     first_time: tuple[int, int] | None = None) -> KVCache:
-        if first_time is not None:
-            caches = [self.slice_time(caches[0], *first_time), *caches[1:]]
-        if first_rows is not None:
-            caches = [self.take_rows(caches[0], first_rows), *caches[1:]]
+        caches = narrow_first(self, caches, first_rows, first_time)
         if length is not None:
             caches = [self.pad_time(cache, length, left) for cache in caches]
         return [

@@ -91,6 +91,18 @@ class Backend(Protocol):
         """Keep positions [start, stop) of the time axis (2)."""
 
 
+def narrow_first(backend: Backend, caches: Sequence[Cache], first_rows: np.ndarray | None,
+                 first_time: tuple[int, int] | None) -> list[Cache]:
+    """`caches` with the first one cut to `first_time` and `first_rows` by separate copies:
+    `Backend.concat_rows` for a backend (or a case) that cannot take them in its own pass."""
+    first = caches[0]
+    if first_time is not None:
+        first = backend.slice_time(first, *first_time)
+    if first_rows is not None:
+        first = backend.take_rows(first, first_rows)
+    return [first, *caches[1:]]
+
+
 # -- options --------------------------------------------------------------------------------
 
 

@@ -308,10 +308,9 @@ def offline_throughput(translator: Any, texts: list[str], options: dict[str, Any
     return sum(len(h[0].token_ids) for h in hyps) / seconds, len(sample) / seconds
 
 
-def offline_figures(artifacts: Path, threads: int, texts: list[str], options: dict[str, Any],
-                    count: int = 256, translator: Any = None) -> dict[str, float]:
+def offline_figures(translator: Any, texts: list[str], options: dict[str, Any],
+                    count: int = 256) -> dict[str, float]:
     """Offline tokens/s at batch 32 and p50 latency of single texts, same texts and options."""
-    translator = translator or offline_translator(artifacts, threads)
     sample = texts[:count]
     tokens_per_s, texts_per_s = offline_throughput(translator, texts, options, count)
     single = []
@@ -356,8 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     offline = translator = None
     if args.offline is not None:
         translator = offline_translator(args.offline, args.threads)
-        offline = offline_figures(args.offline, args.threads, texts, options,
-                                  translator=translator)
+        offline = offline_figures(translator, texts, options)
 
     def level(concurrency: int, requests: int) -> LevelResult:
         return run_level(args.server, concurrency, requests, args.duration, texts,

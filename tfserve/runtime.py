@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from tfserve.generation import StepOutput, numpy_pool
+from tfserve.generation import StepOutput, narrow_first, numpy_pool
 from tfserve.manifest import (
     GROUPED_CROSS_REVISION,
     TOP_OUTPUTS,
@@ -332,12 +332,8 @@ class Runtime:
                     first_time: tuple[int, int] | None = None) -> list[Any]:
         if (first_rows is not None or first_time is not None) and (self.cache_ops
                                                                     or length is None):
-            first = caches[0]
-            if first_time is not None:
-                first = self.slice_time(first, *first_time)
-            if first_rows is not None:
-                first = self.take_rows(first, first_rows)
-            caches, first_rows, first_time = [first, *caches[1:]], None, None
+            caches = narrow_first(self, caches, first_rows, first_time)
+            first_rows = first_time = None
         if self.cache_ops:
             if length is not None:
                 caches = [self.pad_time(cache, length, left) for cache in caches]

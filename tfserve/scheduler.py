@@ -384,7 +384,7 @@ class Scheduler:
                 self._iteration(translate_items, encode_items, mode)
             except Exception as exc:  # a bug, not a model failure: keep the worker alive
                 log.exception("scheduler iteration failed")
-                pending = {item.job for group in self._ahead for item in group.tags}
+                pending = {item.job for item in self._ahead_items()}
                 self._ahead = []
                 self._fail_batch("iteration", exc,
                                  {item.job for item in translate_items + encode_items} | pending)
@@ -400,19 +400,28 @@ class Scheduler:
         """Rows the running batch's members and the encoded items waiting to join it may
         occupy (each its largest row count)."""
         return (sum(member.tag.max_rows for member in self._batch.members)
-                + sum(item.max_rows for group in self._ahead for item in group.tags))
+                + sum(item.max_rows for item in self._ahead_items()))
+
+    def _ahead_items(self) -> list[_Item]:
+        """The translate items encoded ahead, waiting to join."""
+        return [item for group in self._ahead for item in group.tags]
 
     def _oldest_waiting(self) -> float | None:
         """When the oldest translate item not yet decoding arrived (encoded ahead or queued)."""
-        times = [item.job.submitted for group in self._ahead for item in group.tags]
+        times = [item.job.submitted for item in self._ahead_items()]
         times += [self._translate_queue[0].job.submitted] if self._translate_queue else []
         return min(times) if times else None
 
+    def _ahead_allowed(self) -> bool:
+        """Whether arrivals that wait for company may be encoded ahead: configured, and the
+        worker has no rows to decode."""
+        return self.config.encode_ahead and not len(self._batch)
+
     def _may_encode_ahead(self) -> bool:
         """Whether the idle worker encodes the queue's head now instead of waiting (under the
-        lock): it has no rows to decode, is waiting for company, and the head fits."""
+        lock): it may encode ahead, is waiting for company, and the head fits."""
         queue = self._translate_queue
-        if not (self.config.encode_ahead and queue) or len(self._batch):
+        if not (queue and self._ahead_allowed()):
             return False
         reserved = self._reserved_rows()
         return (reserved + queue[0].max_rows <= self.config.max_batch_size
@@ -494,7 +503,7 @@ class Scheduler:
         translate_items = []
         reserved = self._reserved_rows()
         gathering = self._gather_deadline(now, reserved) is not None
-        ahead = gathering and self.config.encode_ahead and not len(self._batch)
+        ahead = gathering and self._ahead_allowed()
         # FIFO without overtaking: a wide beam search at the head waits for rows to free up
         # rather than being starved by a stream of greedy requests behind it
         while ((ahead or not gathering) and self._translate_queue
@@ -696,11 +705,10 @@ class Scheduler:
         job.remaining -= 1
         if job.remaining == 0:
             job._resolve()
-            if job.kind == "translate" and job.options is not None:
-                # the client may send its next request now: expect its rows back
-                rows = len(job.results) * max(job.options.num_beams,
-                                              job.options.num_return_sequences)
-                self._freed.append((time.monotonic(), rows))
+            if job.kind == "translate":
+                # the client may send its next request now: expect its rows back (every
+                # input of a job reserves the same rows)
+                self._freed.append((time.monotonic(), len(job.results) * item.max_rows))
 
     def _model_failed(self, stage: str, exc: BaseException, jobs: set[Job]) -> None:
         log.error("model run failed (%s) for %d request(s): %s", stage, len(jobs), exc,
@@ -725,9 +733,8 @@ class Scheduler:
             queue.clear()
         for member in self._batch.members:
             member.tag.job._fail(error)
-        for group in self._ahead:
-            for item in group.tags:
-                item.job._fail(error)
+        for item in self._ahead_items():
+            item.job._fail(error)
         self._ahead = []
         self._batch = DecodeBatch(self.backend)
         self._queued_jobs = 0
