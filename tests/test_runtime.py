@@ -34,6 +34,20 @@ def mixed_batch(runtime: Runtime, lengths: list[int], seed: int = 0):
     return sources, runtime.tokenizer.pad_batch(sources)
 
 
+def joining(runtime: Runtime, sources: list[list[int]], rows: list[int],
+            options: DecodingOptions | list[DecodingOptions]):
+    """Sources `rows` encoded in one run, each a fresh search (with `options`, or with
+    `options[row]`) tagged by its row: what joins a DecodeBatch."""
+    from tfserve.batch import Joining
+    from tfserve.generation import make_search
+
+    ids, mask = runtime.tokenizer.pad_batch([sources[r] for r in rows])
+    _, cross = runtime.encode(ids, mask)
+    searches = [make_search(options[r] if isinstance(options, list) else options,
+                            runtime.eos_token_id, runtime.decoder_start_token_id) for r in rows]
+    return Joining(searches, rows, cross, mask)
+
+
 def assert_same(ref, got, what: str, atol: float = 1e-4) -> None:
     assert len(ref) == len(got), what
     for i, (r, g) in enumerate(zip(ref, got)):
@@ -361,7 +375,6 @@ def test_device_cache_path_matches_host_path(options: DecodingOptions) -> None:
 def test_device_cache_rows_join_a_running_batch() -> None:
     """Continuous batching on the device path: pad + concat when rows join mid-decode."""
     from tfserve.batch import DecodeBatch
-    from tfserve.generation import make_search
 
     results = {}
     for name, runtime in (("host", Runtime(artifacts("sinusoidal", "pre"))),
@@ -373,11 +386,7 @@ def test_device_cache_rows_join_a_running_batch() -> None:
 
         def join(rows: list[int], runtime=runtime, batch=batch, options=options,
                  sources=sources) -> None:
-            sub_ids, sub_mask = runtime.tokenizer.pad_batch([sources[r] for r in rows])
-            _, cross = runtime.encode(sub_ids, sub_mask)
-            searches = [make_search(options, runtime.eos_token_id,
-                                    runtime.decoder_start_token_id) for _ in rows]
-            batch.add(searches, rows, cross, sub_mask)
+            batch.join([joining(runtime, sources, rows, options)])
 
         join([0, 1])
         for step in range(20):
@@ -396,7 +405,6 @@ def test_several_encoder_runs_join_at_once(device_cache: bool) -> None:
     """DecodeBatch.join of several encoder runs (different source lengths, into an empty and
     into a running batch) decodes every source as if it were alone."""
     from tfserve.batch import DecodeBatch, Joining
-    from tfserve.generation import make_search
 
     runtime = Runtime(artifacts("rope", "pre"), device_cache=device_cache)
     sources, _ = mixed_batch(runtime, [5, 3, 9, 2, 7, 4], seed=4)
@@ -407,11 +415,7 @@ def test_several_encoder_runs_join_at_once(device_cache: bool) -> None:
         alone[tag] = [h.token_ids for h in generate(runtime, ids, mask, options)[0]]
 
     def group(rows: list[int]) -> Joining:
-        ids, mask = runtime.tokenizer.pad_batch([sources[r] for r in rows])
-        _, cross = runtime.encode(ids, mask)
-        return Joining([make_search(options, runtime.eos_token_id,
-                                    runtime.decoder_start_token_id) for _ in rows],
-                       rows, cross, mask)
+        return joining(runtime, sources, rows, options)
 
     batch = DecodeBatch(runtime)
     batch.join([group([0, 1]), group([2])])
@@ -559,7 +563,6 @@ def test_finished_rows_retire_until_a_compaction(device_cache: bool, policy: str
     make a copy worth it; whenever they leave, every search decodes as if alone. With
     retirement until the join, the running cache is copied only by the join."""
     from tfserve.batch import DecodeBatch, Joining
-    from tfserve.generation import make_search
 
     runtime = Runtime(artifacts("rope", "pre"), device_cache=device_cache)
     sources, _ = mixed_batch(runtime, [5, 3, 9, 2, 7, 4], seed=6)
@@ -573,11 +576,7 @@ def test_finished_rows_retire_until_a_compaction(device_cache: bool, policy: str
         alone[tag] = [h.token_ids for h in generate(runtime, ids, mask, opts)[0]]
 
     def group(rows: list[int]) -> Joining:
-        ids, mask = runtime.tokenizer.pad_batch([sources[r] for r in rows])
-        _, cross = runtime.encode(ids, mask)
-        return Joining([make_search(options[r], runtime.eos_token_id,
-                                    runtime.decoder_start_token_id) for r in rows],
-                       rows, cross, mask)
+        return joining(runtime, sources, rows, options)
 
     batch = DecodeBatch(runtime)
     if policy == "until-join":
@@ -623,7 +622,6 @@ def test_steady_joins_keep_the_cache_as_short_as_its_rows_need(device_cache: boo
     copies, and so do the cache columns no kept row uses (left holes, right source padding),
     so the cache stays as short as the rows need instead of growing every step."""
     from tfserve.batch import DecodeBatch
-    from tfserve.generation import make_search
 
     runtime = Runtime(artifacts("rope", "pre"), device_cache=device_cache)
     sources, _ = mixed_batch(runtime, [9, 2, 5, 3, 8, 4, 6, 2] * 8, seed=8)
@@ -633,11 +631,7 @@ def test_steady_joins_keep_the_cache_as_short_as_its_rows_need(device_cache: boo
     for step in range(len(sources) // 2 + 14):
         tags = [2 * step, 2 * step + 1] if 2 * step < len(sources) else []
         if tags:
-            ids, mask = runtime.tokenizer.pad_batch([sources[t] for t in tags])
-            _, cross = runtime.encode(ids, mask)
-            batch.add([make_search(options, runtime.eos_token_id,
-                                   runtime.decoder_start_token_id) for _ in tags],
-                      tags, cross, mask)
+            batch.join([joining(runtime, sources, tags, options)])
             assert batch.encoder_attention_mask.shape[1] == max(
                 member.encoder_rows for member in batch.slots)
         if batch.self_attention_mask.shape[1]:
