@@ -831,6 +831,26 @@ def test_loadgen_smoke(server: ServerThread, capsys: pytest.CaptureFixture[str])
     assert main(["--server", server.target, "--rounds", "2"]) == 2  # needs --offline
 
 
+def test_loadgen_offline_figures_sorted_and_in_calls_of_32(random_model: Path) -> None:
+    """The offline reference: every text in one call (sorted by the translator), then the same
+    texts in calls of 32 in arrival order, then single texts; each call is warmed up first."""
+    from tfserve.loadgen import number_phrases, offline_figures, offline_translator
+
+    translator = offline_translator(random_model, 1)
+    sizes: list[int] = []
+    translate = translator.translate_hypotheses
+
+    def counted(texts: list[str], **options: Any) -> Any:
+        sizes.append(len(texts))
+        return translate(texts, **options)
+
+    translator.translate_hypotheses = counted
+    figures = offline_figures(translator, number_phrases(100), {"max_new_tokens": 2}, count=70)
+    assert sizes == [32, 70, 32, 32, 32, 6] + [1] * 64
+    assert figures["batch32_tokens_per_s"] > 0 and figures["calls32_tokens_per_s"] > 0
+    assert figures["single_p50_ms"] > 0
+
+
 def test_loadgen_rounds_bracket_each_served_run_with_offline_runs() -> None:
     """drift_rounds: offline, served, offline, ...; each ratio uses the two offline runs
     around its served run (a machine that slows down during the run does not bias it)."""
