@@ -442,6 +442,47 @@ def test_idle_worker_encodes_returning_rows_ahead(random_runtime: Any,
         assert all(same(outcome[0], expected[0]) for outcome in outcomes)
 
 
+def test_a_request_cancelled_while_encoded_ahead_frees_its_rows(random_runtime: Any) -> None:
+    """A returning request encoded ahead and then cancelled stops reserving its rows at once,
+    never joins the decoder batch, and counts as dropped before decoding (0 rows freed, all
+    its steps saved); the rest of its wave joins without it."""
+    from tfserve.generation import DecodingOptions
+    from tfserve.scheduler import Scheduler, SchedulerConfig
+
+    source = random_runtime.tokenizer.encode("seven")
+    short = DecodingOptions(max_new_tokens=3, min_new_tokens=3)
+    first_step_rows: list[int] = []
+
+    def hook(stage: str) -> None:
+        if stage == "step":
+            time.sleep(0.04)  # the wait for the wave is up to 4 steps: 160 ms
+            if not first_step_rows:
+                first_step_rows.append(scheduler._batch.rows)
+
+    config = SchedulerConfig(max_batch_size=8, max_wait_ms=0, encode_ahead=True)
+    with Scheduler(random_runtime, config) as scheduler:
+        expected = scheduler.translate([source], short, timeout=30)
+        scheduler.test_hook = hook
+        first = DecodingOptions(max_new_tokens=8, min_new_tokens=8)
+        for job in [scheduler.submit_translate([source], first) for _ in range(3)]:
+            job.result(30)
+        first_step_rows.clear()
+        gone = scheduler.submit_translate([source], short)
+        deadline = time.monotonic() + 5
+        while not scheduler._ahead:  # encoded and held, waiting for the other two
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        assert scheduler._reserved_rows() == 1
+        gone.cancel()
+        assert scheduler._reserved_rows() == 0
+        again = [scheduler.submit_translate([source], short) for _ in range(2)]
+        results = [job.result(30) for job in again]
+    assert first_step_rows == [2]
+    assert all(same(result[0], expected[0]) for result in results)
+    assert scheduler.stats.freed_rows.get("cancelled", 0) == 0
+    assert scheduler.stats.skipped_steps["cancelled"] == 3
+
+
 def test_an_encode_request_does_not_end_the_wait_for_company(random_runtime: Any) -> None:
     """An Encode request that arrives while returning translate rows are encoded ahead and
     held is served at once, and the held rows keep waiting for the rest of their wave."""

@@ -400,15 +400,18 @@ class Scheduler:
         """Rows the running batch's members and the encoded items waiting to join it may
         occupy (each its largest row count)."""
         return (sum(member.tag.max_rows for member in self._batch.members)
-                + sum(item.max_rows for item in self._ahead_items()))
+                + sum(item.max_rows for item in self._ahead_items(live=True)))
 
-    def _ahead_items(self) -> list[_Item]:
-        """The translate items encoded ahead, waiting to join."""
-        return [item for group in self._ahead for item in group.tags]
+    def _ahead_items(self, live: bool = False) -> list[_Item]:
+        """The translate items encoded ahead, waiting to join (live: not cancelled, failed or
+        expired; such rows reserve nothing while they wait to be dropped)."""
+        now = time.monotonic()
+        return [item for group in self._ahead for item in group.tags
+                if not live or not (item.job.done or item.job.expired(now))]
 
     def _oldest_waiting(self) -> float | None:
         """When the oldest translate item not yet decoding arrived (encoded ahead or queued)."""
-        times = [item.job.submitted for item in self._ahead_items()]
+        times = [item.job.submitted for item in self._ahead_items(live=True)]
         times += [self._translate_queue[0].job.submitted] if self._translate_queue else []
         return min(times) if times else None
 
@@ -490,10 +493,8 @@ class Scheduler:
                     reason = item.finished_reason(now)
                     if reason is None:
                         kept.append(item)
-                    else:  # never decoded: every step it would have taken is saved
-                        options = item.job.options
-                        self._count_dropped(reason, 0, options.max_new_tokens or 0
-                                            if options is not None else 0)
+                    else:
+                        self._count_unstarted(item, reason)
                         self._admitted(item, now)
                 queue.clear()
                 queue.extend(kept)
@@ -588,6 +589,7 @@ class Scheduler:
     def _admit(self, items: list[_Item]) -> None:
         """Encode new translate items and join them, and those encoded ahead, to the running
         decoder batch."""
+        self._drop_finished_ahead()
         groups, self._ahead = self._ahead + self._encode_items(items), []
         # one join for every chunk: each join copies the whole running cache, so a wave cut
         # into 4 encoder batches joined one by one copied its cross K/V about 2.5 times
@@ -624,7 +626,10 @@ class Scheduler:
         return groups
 
     def _drop_finished_rows(self) -> None:
-        """Remove the rows of cancelled, expired and failed requests before the next step."""
+        """Remove the rows of cancelled, expired and failed requests before the next step (and
+        those encoded ahead)."""
+        if self._ahead:
+            self._drop_finished_ahead()
         now = time.monotonic()
         reasons: dict[_Item, str] = {}
         for member in self._batch.members:
@@ -644,6 +649,33 @@ class Scheduler:
             assert search.options.max_new_tokens is not None
             skipped = max(search.options.max_new_tokens - search.generated, 0)
             self._count_dropped(reasons[item], removed_rows[item], skipped)
+
+    def _count_unstarted(self, item: _Item, reason: str) -> None:
+        """An item dropped before it decoded (queued or encoded ahead): every step it would
+        have taken is saved, and it held no decoder rows."""
+        options = item.job.options
+        self._count_dropped(reason, 0, options.max_new_tokens or 0 if options is not None else 0)
+
+    def _drop_finished_ahead(self) -> None:
+        """Drop the cancelled, expired and failed items among those encoded ahead (worker
+        thread), so that they neither join the batch nor keep its rows reserved."""
+        now = time.monotonic()
+        kept = []
+        for group in self._ahead:
+            reasons = [item.finished_reason(now) for item in group.tags]
+            live = [row for row, reason in enumerate(reasons) if reason is None]
+            for item, reason in zip(group.tags, reasons, strict=True):
+                if reason is not None:
+                    self._count_unstarted(item, reason)
+            if len(live) == len(reasons):
+                kept.append(group)
+            elif live:
+                index = np.asarray(live, np.int64)
+                kept.append(Joining([group.searches[row] for row in live],
+                                    [group.tags[row] for row in live],
+                                    self.backend.take_rows(group.cross, index),
+                                    group.encoder_attention_mask[index]))
+        self._ahead = kept
 
     def _count_dropped(self, reason: str, rows: int, skipped_steps: int) -> None:
         stats = self.stats
