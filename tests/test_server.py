@@ -15,9 +15,11 @@ import signal
 import socket
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -381,6 +383,48 @@ def test_returning_rows_join_together_while_decoding(random_runtime: Any, case: 
     assert scheduler.stats.model_errors == 0
 
 
+class Wave(NamedTuple):
+    scheduler: Any
+    source: list[int]
+    short: Any  # DecodingOptions: 3 new tokens
+    expected: list[Any]  # the source translated alone with `short`
+    first_step_rows: list[int]  # the rows of the first decoder step after the set-up
+
+
+@contextmanager
+def returning_wave(runtime: Any, encode_ahead: bool,
+                   on_encode: Callable[[], None] | None = None) -> Iterator[Wave]:
+    """A scheduler (8 rows, max_wait_ms 0) whose decoder steps take >= 40 ms, so that the wait
+    for a returning wave is up to 4 steps: 160 ms. Three requests have just finished on the
+    same step and left the batch empty (their 8 steps taught the scheduler the step time):
+    the next arrivals are their clients coming back. `on_encode` runs before every encoder
+    run of a translate request."""
+    from tfserve.generation import DecodingOptions
+    from tfserve.scheduler import Scheduler, SchedulerConfig
+
+    source = runtime.tokenizer.encode("seven")
+    short = DecodingOptions(max_new_tokens=3, min_new_tokens=3)
+    first_step_rows: list[int] = []
+
+    def hook(stage: str) -> None:
+        if stage == "step":
+            time.sleep(0.04)
+            if not first_step_rows:
+                first_step_rows.append(scheduler._batch.rows)
+        elif stage == "encode" and on_encode is not None:
+            on_encode()
+
+    config = SchedulerConfig(max_batch_size=8, max_wait_ms=0, encode_ahead=encode_ahead)
+    with Scheduler(runtime, config) as scheduler:
+        expected = scheduler.translate([source], short, timeout=30)
+        scheduler.test_hook = hook
+        first = DecodingOptions(max_new_tokens=8, min_new_tokens=8)
+        for job in [scheduler.submit_translate([source], first) for _ in range(3)]:
+            job.result(30)
+        first_step_rows.clear()
+        yield Wave(scheduler, source, short, expected, first_step_rows)
+
+
 @pytest.mark.parametrize("encode_ahead", [True, False])
 def test_idle_worker_encodes_returning_rows_ahead(random_runtime: Any,
                                                   encode_ahead: bool) -> None:
@@ -388,39 +432,22 @@ def test_idle_worker_encodes_returning_rows_ahead(random_runtime: Any,
     waits for the rest of the wave, and all of them join the decoder batch together; an
     encoder failure meanwhile fails only its own request. Without encode_ahead they are
     encoded together once the wait ends."""
-    from tfserve.generation import DecodingOptions
-    from tfserve.scheduler import ModelError, Scheduler, SchedulerConfig
+    from tfserve.scheduler import ModelError
 
-    source = random_runtime.tokenizer.encode("seven")
-    short = DecodingOptions(max_new_tokens=3, min_new_tokens=3)
     encoder_runs: list[float] = []
-    first_step_rows: list[int] = []
 
-    def hook(stage: str) -> None:
-        if stage == "step":
-            time.sleep(0.04)  # a step of >= 40 ms: the wait is up to 160 ms
-            if not first_step_rows:
-                first_step_rows.append(scheduler._batch.rows)
-        elif stage == "encode":
-            encoder_runs.append(time.monotonic())
-            if encode_ahead and len(encoder_runs) == 2:
-                raise RuntimeError("simulated encoder failure")
+    def on_encode() -> None:
+        encoder_runs.append(time.monotonic())
+        if encode_ahead and len(encoder_runs) == 2:
+            raise RuntimeError("simulated encoder failure")
 
-    config = SchedulerConfig(max_batch_size=8, max_wait_ms=0, encode_ahead=encode_ahead)
-    with Scheduler(random_runtime, config) as scheduler:
-        expected = scheduler.translate([source], short, timeout=30)
-        scheduler.test_hook = hook
-        # three finish on the same step, and the batch is empty; their 8 steps of >= 40 ms
-        # teach the scheduler the step time
-        first = DecodingOptions(max_new_tokens=8, min_new_tokens=8)
-        for job in [scheduler.submit_translate([source], first) for _ in range(3)]:
-            job.result(30)
+    with returning_wave(random_runtime, encode_ahead, on_encode) as wave:
+        scheduler = wave.scheduler
         encoder_runs.clear()
-        first_step_rows.clear()
         again, sent = [], []
         for _ in range(3):  # they come back 45 ms apart
             sent.append(time.monotonic())
-            again.append(scheduler.submit_translate([source], short))
+            again.append(scheduler.submit_translate([wave.source], wave.short))
             time.sleep(0.045)
         outcomes = []
         for job in again:
@@ -434,40 +461,21 @@ def test_idle_worker_encodes_returning_rows_ahead(random_runtime: Any,
         assert all(arrival <= run < later for run, arrival, later in zip(
             encoder_runs, sent, [*sent[1:], sent[-1] + 0.045])), (encoder_runs, sent)
         assert outcomes[1] is None and scheduler.stats.model_errors == 1
-        assert first_step_rows == [2]  # the two encoded ones joined together
-        assert all(same(outcomes[i][0], expected[0]) for i in (0, 2))
+        assert wave.first_step_rows == [2]  # the two encoded ones joined together
+        assert all(same(outcomes[i][0], wave.expected[0]) for i in (0, 2))
     else:
         assert len(encoder_runs) == 1 and encoder_runs[0] >= sent[2]
-        assert first_step_rows == [3]
-        assert all(same(outcome[0], expected[0]) for outcome in outcomes)
+        assert wave.first_step_rows == [3]
+        assert all(same(outcome[0], wave.expected[0]) for outcome in outcomes)
 
 
 def test_a_request_cancelled_while_encoded_ahead_frees_its_rows(random_runtime: Any) -> None:
     """A returning request encoded ahead and then cancelled stops reserving its rows at once,
     never joins the decoder batch, and counts as dropped before decoding (0 rows freed, all
     its steps saved); the rest of its wave joins without it."""
-    from tfserve.generation import DecodingOptions
-    from tfserve.scheduler import Scheduler, SchedulerConfig
-
-    source = random_runtime.tokenizer.encode("seven")
-    short = DecodingOptions(max_new_tokens=3, min_new_tokens=3)
-    first_step_rows: list[int] = []
-
-    def hook(stage: str) -> None:
-        if stage == "step":
-            time.sleep(0.04)  # the wait for the wave is up to 4 steps: 160 ms
-            if not first_step_rows:
-                first_step_rows.append(scheduler._batch.rows)
-
-    config = SchedulerConfig(max_batch_size=8, max_wait_ms=0, encode_ahead=True)
-    with Scheduler(random_runtime, config) as scheduler:
-        expected = scheduler.translate([source], short, timeout=30)
-        scheduler.test_hook = hook
-        first = DecodingOptions(max_new_tokens=8, min_new_tokens=8)
-        for job in [scheduler.submit_translate([source], first) for _ in range(3)]:
-            job.result(30)
-        first_step_rows.clear()
-        gone = scheduler.submit_translate([source], short)
+    with returning_wave(random_runtime, encode_ahead=True) as wave:
+        scheduler = wave.scheduler
+        gone = scheduler.submit_translate([wave.source], wave.short)
         deadline = time.monotonic() + 5
         while not scheduler._ahead:  # encoded and held, waiting for the other two
             assert time.monotonic() < deadline
@@ -475,10 +483,10 @@ def test_a_request_cancelled_while_encoded_ahead_frees_its_rows(random_runtime: 
         assert scheduler._reserved_rows() == 1
         gone.cancel()
         assert scheduler._reserved_rows() == 0
-        again = [scheduler.submit_translate([source], short) for _ in range(2)]
+        again = [scheduler.submit_translate([wave.source], wave.short) for _ in range(2)]
         results = [job.result(30) for job in again]
-    assert first_step_rows == [2]
-    assert all(same(result[0], expected[0]) for result in results)
+    assert wave.first_step_rows == [2]
+    assert all(same(result[0], wave.expected[0]) for result in results)
     assert scheduler.stats.freed_rows.get("cancelled", 0) == 0
     assert scheduler.stats.skipped_steps["cancelled"] == 3
 
@@ -486,37 +494,19 @@ def test_a_request_cancelled_while_encoded_ahead_frees_its_rows(random_runtime: 
 def test_an_encode_request_does_not_end_the_wait_for_company(random_runtime: Any) -> None:
     """An Encode request that arrives while returning translate rows are encoded ahead and
     held is served at once, and the held rows keep waiting for the rest of their wave."""
-    from tfserve.generation import DecodingOptions
-    from tfserve.scheduler import Scheduler, SchedulerConfig
-
-    source = random_runtime.tokenizer.encode("seven")
-    short = DecodingOptions(max_new_tokens=3, min_new_tokens=3)
-    first_step_rows: list[int] = []
-
-    def hook(stage: str) -> None:
-        if stage == "step":
-            time.sleep(0.04)
-            if not first_step_rows:
-                first_step_rows.append(scheduler._batch.rows)
-
-    config = SchedulerConfig(max_batch_size=8, max_wait_ms=0, encode_ahead=True)
-    with Scheduler(random_runtime, config) as scheduler:
-        scheduler.test_hook = hook
-        first = DecodingOptions(max_new_tokens=8, min_new_tokens=8)
-        for job in [scheduler.submit_translate([source], first) for _ in range(3)]:
-            job.result(30)
-        first_step_rows.clear()
-        again = [scheduler.submit_translate([source], short)]
+    with returning_wave(random_runtime, encode_ahead=True) as wave:
+        scheduler = wave.scheduler
+        again = [scheduler.submit_translate([wave.source], wave.short)]
         time.sleep(0.03)
-        encode = scheduler.submit_encode([source])
+        encode = scheduler.submit_encode([wave.source])
         encode.result(30)
         for _ in range(2):
             time.sleep(0.02)
-            again.append(scheduler.submit_translate([source], short))
+            again.append(scheduler.submit_translate([wave.source], wave.short))
         for job in again:
             job.result(30)
     assert encode.queue_seconds < 0.03
-    assert first_step_rows == [3]
+    assert wave.first_step_rows == [3]
 
 
 def test_encode_requests_never_wait_for_returning_rows(random_runtime: Any) -> None:
