@@ -407,7 +407,7 @@ class Scheduler:
         expired; such rows reserve nothing while they wait to be dropped)."""
         now = time.monotonic()
         return [item for group in self._ahead for item in group.tags
-                if not live or not (item.job.done or item.job.expired(now))]
+                if not live or item.finished_reason(now) is None]
 
     def _oldest_waiting(self) -> float | None:
         """When the oldest translate item not yet decoding arrived (encoded ahead or queued)."""
