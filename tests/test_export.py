@@ -144,8 +144,31 @@ def test_manifest_records_interface_and_parity() -> None:
     assert dims["past_key_0"] == ["batch", 4, "past_len", 8]
     assert dims["self_attention_mask"] == ["batch", "total_len"]
     ops = {n.op_type for n in graph.node}
-    assert {"Cos", "Sin"} <= ops, "RoPE must be computed in the graph from position_ids"
     assert "If" not in ops, "one decoder graph for every step, no If-merged variants"
+    # RoPE in the graph, from position_ids: one fused rotation of q and of the new k per layer
+    rotations = [n for n in graph.node if n.op_type == "RotaryEmbedding"]
+    assert len(rotations) == 2 * manifest["model"]["decoder_layers"]
+    assert {n.input[1] for n in rotations} == {"position_ids"}
+    assert not {"Cos", "Sin"} & ops, "the fp32 graph looks the angles up in its tables"
+
+
+def test_fused_rope_position_past_its_table_is_a_clear_error() -> None:
+    """The fp32 graph's RoPE tables end at max(max_source, max_target) positions: a step
+    asked for a position past them fails with the position named, it never reads past them."""
+    import onnxruntime as ort
+
+    out = artifacts("rope", "pre")
+    runtime = Runtime(out)
+    cfg = runtime.config
+    ids, mask = padded_sources(111, 1, 3, np.random.default_rng(0))
+    _, cross = runtime.encode(ids, mask)
+    limit = max(cfg.max_source_positions, cfg.max_target_positions)
+    one = np.ones((1, 1), np.int64)
+    step = runtime.step(one * 5, one * (limit - 1), one, mask, runtime.empty_past(1), cross)
+    assert np.isfinite(step.logits).all()
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+                       match=f"position_ids value {limit} .* out of range"):
+        runtime.step(one * 5, one * limit, one, mask, runtime.empty_past(1), cross)
 
 
 @pytest.mark.skipif(not demo_trained(), reason="demo checkpoint not trained yet")

@@ -30,12 +30,15 @@ from tfserve.model import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     CheckpointError,
+    FusedRotary,
     RotaryEmbedding,
     Seq2SeqTransformer,
     apply_rope,
     load_checkpoint,
+    merge_heads,
     save_checkpoint,
     sinusoidal_table,
+    split_heads,
 )
 
 ATOL = 1e-5
@@ -229,14 +232,13 @@ def test_rows_with_leading_holes_match_rows_decoded_alone(positions: str, hole_f
 
 
 def _rotated_dot(rope: RotaryEmbedding, q: torch.Tensor, k: torch.Tensor, m: int, n: int) -> float:
-    cos_m, sin_m = rope(torch.tensor([[m]]))
-    cos_n, sin_n = rope(torch.tensor([[n]]))
-    return float((apply_rope(q, cos_m, sin_m) * apply_rope(k, cos_n, sin_n)).sum())
+    return float((apply_rope(q, rope(torch.tensor([[m]]))) *
+                  apply_rope(k, rope(torch.tensor([[n]])))).sum())
 
 
 def test_rope_dot_product_depends_only_on_relative_position() -> None:
     head_dim = 16
-    rope = RotaryEmbedding(head_dim, 10000.0)
+    rope = RotaryEmbedding(head_dim, 10000.0, 64)
     q = torch.randn(1, 1, 1, head_dim)
     k = torch.randn(1, 1, 1, head_dim)
     base = _rotated_dot(rope, q, k, 5, 2)
@@ -246,6 +248,18 @@ def test_rope_dot_product_depends_only_on_relative_position() -> None:
     for m, n in [(5, 3), (2, 5), (9, 2)]:
         other = _rotated_dot(rope, q, k, m, n)
         assert abs(base - other) > 1e-3, f"offset {m - n} gives the same dot as offset 3"
+
+
+def test_fused_rotary_reference_equals_the_eager_rotation() -> None:
+    """FusedRotary (what the fp32 graphs trace) looks the angles up in the tables: the same
+    rotation as apply_rope's on-the-fly angles, bit for bit, on heads side by side."""
+    heads, head_dim = 3, 8
+    rope = RotaryEmbedding(head_dim, 10000.0, 64)
+    positions = torch.tensor([[0, 5, 63], [7, 2, 40]])  # [B,T], rows with their own positions
+    x = torch.randn(2, 3, heads * head_dim)  # [B,T,D]
+    fused = FusedRotary.apply(x, positions, rope.cos_table, rope.sin_table, heads)
+    eager = merge_heads(apply_rope(split_heads(x, heads, head_dim), rope(positions)))
+    assert torch.equal(fused, eager)
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -273,12 +287,12 @@ def test_rope_decoder_depends_only_on_relative_positions(norm: str) -> None:
 
 def test_rope_is_a_rotation() -> None:
     head_dim = 8
-    rope = RotaryEmbedding(head_dim, 10000.0)
+    rope = RotaryEmbedding(head_dim, 10000.0, 64)
     x = torch.randn(2, 3, 5, head_dim)  # [B,H,T,Dh]
     position_ids = torch.tensor([[0, 1, 2, 7, 100], [3, 3, 0, 9, 1]])
-    cos, sin = rope(position_ids)
-    assert cos.shape == sin.shape == (2, 1, 5, head_dim)
-    rotated = apply_rope(x, cos, sin)
+    angles = rope(position_ids)  # eager: no table, so position 100 is fine with 64 rows
+    assert angles.cos.shape == angles.sin.shape == (2, 1, 5, head_dim)
+    rotated = apply_rope(x, angles)
     assert torch.allclose(rotated.norm(dim=-1), x.norm(dim=-1), atol=1e-5), "RoPE changed norms"
     # position 0 is the identity
     assert torch.allclose(rotated[0, :, 0], x[0, :, 0], atol=1e-6)
@@ -288,12 +302,11 @@ def test_rope_is_a_rotation() -> None:
 def test_rope_pairs_dimension_i_with_i_plus_half() -> None:
     """Dims (i, i + Dh/2) rotate together by angle pos * base^(-2i/Dh)."""
     head_dim, base, pos = 8, 10000.0, 3
-    rope = RotaryEmbedding(head_dim, base)
-    cos, sin = rope(torch.tensor([[pos]]))
+    angles = RotaryEmbedding(head_dim, base, 8)(torch.tensor([[pos]]))
     for i in range(head_dim // 2):
         x = torch.zeros(1, 1, 1, head_dim)
         x[..., i] = 1.0
-        out = apply_rope(x, cos, sin)[0, 0, 0]
+        out = apply_rope(x, angles)[0, 0, 0]
         angle = pos * base ** (-2 * i / head_dim)
         expected = torch.zeros(head_dim)
         expected[i] = math.cos(angle)

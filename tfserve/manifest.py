@@ -24,9 +24,10 @@ FORMAT_VERSION = 1
 # How export builds the graphs behind the same interface (2: fused attention, fusable
 # reshapes, top candidates; 3: one Q/K/V GEMM; 4: weights in external data files;
 # 5: cross K/V and encoder mask may have one row per group of rows; 6: the grouped
-# cross-attention's reshapes share their shape ops across layers, no Cast of fp32 logits);
-# an exported demo made by an older revision is re-exported on first use.
-GRAPH_REVISION = 6
+# cross-attention's reshapes share their shape ops across layers, no Cast of fp32 logits;
+# 7: fp32 RoPE as com.microsoft.RotaryEmbedding over cos/sin tables, constant-size
+# rotate_half slices); an exported demo made by an older revision is re-exported on first use.
+GRAPH_REVISION = 7
 GROUPED_CROSS_REVISION = 5  # the first revision whose decoder takes grouped cross rows
 MANIFEST_FILE = "model.json"
 
