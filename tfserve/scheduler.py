@@ -485,6 +485,8 @@ class Scheduler:
         company goes on, "ahead" (encode them and hold them) or "hold" (none taken; the
         ones encoded ahead keep waiting too).
         """
+        if not (self._translate_queue or self._encode_queue or self._ahead):
+            return [], [], "join"  # mid-decoding with nothing queued: most iterations
         now = time.monotonic()
         for queue in (self._translate_queue, self._encode_queue):
             if any(item.job.done or item.job.expired(now) for item in queue):
@@ -536,9 +538,13 @@ class Scheduler:
         if mode == "ahead":
             self._ahead += self._encode_items(translate_items)
             return
-        if translate_items or (self._ahead and mode == "join"):
+        joining = bool(translate_items) or bool(self._ahead and mode == "join")
+        if joining:
             self._admit(translate_items)
-        self._drop_finished_rows()
+        if joining or encode_items:
+            # the model runs just now took time: rows may have been cancelled or expired
+            # since the loop's own check (without them, that check was a moment ago)
+            self._drop_finished_rows()
         if len(self._batch):
             self._step()
 
