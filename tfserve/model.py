@@ -121,7 +121,7 @@ class FusedRotary(torch.autograd.Function):
 
     x [B,T,D] (heads side by side) rotated per head; `forward` is the reference maths the
     tracer runs (the same as apply_rope). Used with the fused attention (fp32 graphs only).
-    Measured on the demo model's decoder at batch 1: 215 -> 131 nodes.
+    The demo decoder, optimized by ONNX Runtime: 215 -> 121 nodes (encoder 185 -> 89).
     """
 
     @staticmethod
