@@ -111,9 +111,15 @@ class RotaryEmbedding(nn.Module):
                     self.cos_table, self.sin_table, self.half)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
+    """x [B,H,T,Dh] rotated by the angles whose cos/sin [B,1,T,Dh] are given (half = Dh/2):
+    the one formula of the eager rotation and of FusedRotary's reference."""
+    return x * cos.to(x.dtype) + rotate_half(x, half) * sin.to(x.dtype)
+
+
 def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """x [B,H,T,Dh] rotated by the angles in rope.cos/sin [B,1,T,Dh]."""
-    return x * rope.cos.to(x.dtype) + rotate_half(x, rope.half) * rope.sin.to(x.dtype)
+    return rotate(x, rope.cos, rope.sin, rope.half)
 
 
 class FusedRotary(torch.autograd.Function):
@@ -131,8 +137,7 @@ class FusedRotary(torch.autograd.Function):
         cos = torch.cat((cos_table[position_ids],) * 2, dim=-1)[:, None]  # [B,1,T,Dh]
         sin = torch.cat((sin_table[position_ids],) * 2, dim=-1)[:, None]
         heads = split_heads(x, num_heads, 2 * half)  # [B,H,T,Dh]
-        rotated = heads * cos.to(x.dtype) + rotate_half(heads, half) * sin.to(x.dtype)
-        return merge_heads(rotated)  # [B,T,D]
+        return merge_heads(rotate(heads, cos, sin, half))  # [B,T,D]
 
     @staticmethod
     def symbolic(g: Any, x: Any, position_ids: Any, cos_table: Any, sin_table: Any,
