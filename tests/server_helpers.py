@@ -140,7 +140,7 @@ class ServerProcess:
             cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self.port = 0
-        self._serving = threading.Event()
+        self.serving = 0  # 'serving' records so far: one per worker with --workers
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -154,11 +154,12 @@ class ServerProcess:
                 continue
             if record.get("event") == "serving":
                 self.port = int(record["port"])
-                self._serving.set()
+                self.serving += 1
 
-    def wait_serving(self, timeout: float = 60.0) -> str:
+    def wait_serving(self, timeout: float = 60.0, workers: int = 1) -> str:
         deadline = time.monotonic() + timeout
-        while not self._serving.wait(0.1):
+        while self.serving < workers:
+            time.sleep(0.05)
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("server did not start:\n" + "".join(self.lines[-30:]))
         return f"127.0.0.1:{self.port}"

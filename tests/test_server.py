@@ -9,6 +9,7 @@ and are skipped until its trained checkpoint exists.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -860,6 +861,14 @@ def test_loadgen_smoke(server: ServerThread, capsys: pytest.CaptureFixture[str])
     assert code == 0 and len(lines) == 2 and '"concurrency": 4' in lines[1]
     assert main(["--server", "192.0.2.1:50051"]) == 2  # not loopback
     assert main(["--server", server.target, "--rounds", "2"]) == 2  # needs --offline
+    # the floor: Health.Check through the same server, no texts, no tokens
+    capsys.readouterr()
+    code = main(["--server", server.target, "--rpc", "health", "--concurrency", "2",
+                 "--requests", "20", "--warmup", "0", "--json"])
+    floor = json.loads(capsys.readouterr().out.strip())
+    assert code == 0 and floor["requests"] == 20 and floor["errors"] == 0
+    assert floor["texts"] == 0 and floor["tokens"] == 0 and floor["requests_per_s"] > 0
+    assert main(["--server", server.target, "--rpc", "health", "--offline", "x"]) == 2
 
 
 def test_loadgen_offline_figures_sorted_and_in_calls_of_32(random_model: Path) -> None:
@@ -879,7 +888,7 @@ def test_loadgen_offline_figures_sorted_and_in_calls_of_32(random_model: Path) -
     figures = offline_figures(translator, number_phrases(100), {"max_new_tokens": 2}, count=70)
     assert sizes == [32, 70, 32, 32, 32, 6] + [1] * 64
     assert figures["batch32_tokens_per_s"] > 0 and figures["calls32_tokens_per_s"] > 0
-    assert figures["single_p50_ms"] > 0
+    assert figures["single_p50_ms"] > 0 and figures["batch32_cpu_ms_per_text"] > 0
 
 
 def test_loadgen_rounds_bracket_each_served_run_with_offline_runs() -> None:
@@ -920,7 +929,8 @@ def test_serving_path_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, tfserve.server, tfserve.client, tfserve.scheduler, tfserve.loadgen; "
+    code = ("import sys, tfserve.server, tfserve.client, tfserve.scheduler, tfserve.loadgen, "
+            "tfserve.workers; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1],
                           env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))

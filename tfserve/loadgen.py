@@ -23,6 +23,11 @@ On a machine whose speed drifts (shared cores), --rounds N then measures the 32-
 N more times, each between two offline batch-32 measurements, and prints each round's ratio
 to the mean of the two around it, and their median.
 
+With --rpc health, the clients send grpc.health.v1 Health.Check instead of Translate: the
+cheapest call the server answers, through the same gRPC stack, event loop and interceptors.
+Its latency and CPU time per request are the floor under any Translate figure on the same
+machine (what the transport, both Pythons and the cores' sharing cost with no model at all).
+
 Only loopback targets are accepted unless --allow-remote: this is a benchmark, not a way to
 load someone else's server.
 """
@@ -47,6 +52,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tfserve.client import pb2_grpc, translate_request
 
@@ -93,6 +99,7 @@ class LevelResult:
     processes: int = 1
     client_cpu_ms_per_request: float = float("nan")  # every load generator process
     server_cpu_ms_per_request: float | None = None  # with --server-pid
+    requests_per_s: float = float("nan")
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -136,23 +143,30 @@ class _Plan:
     token: str | None
     timeout: float
     seed: int
+    rpc: str = "translate"  # or "health": Health.Check, the floor of any call
 
 
 def _client_process(plan: _Plan, ready: Any, start: Any, results: Any) -> None:
     """Closed-loop clients on one channel; puts (latencies, errors, texts, tokens, cpu, s)."""
     channel = grpc.insecure_channel(plan.target)
-    stub = pb2_grpc.TranslatorStub(channel)
     metadata = [("authorization", f"Bearer {plan.token}")] if plan.token else []
     rng = random.Random(plan.seed)
     # requests are built up front so that the timed loop costs only the RPC itself
-    pool = [translate_request([rng.choice(plan.texts) for _ in range(plan.texts_per_request)],
-                              **plan.options) for _ in range(256)]
+    pool: list[Any]
+    if plan.rpc == "health":
+        send = health_pb2_grpc.HealthStub(channel).Check
+        pool = [health_pb2.HealthCheckRequest(service="")]
+    else:
+        send = pb2_grpc.TranslatorStub(channel).Translate
+        pool = [translate_request([rng.choice(plan.texts)
+                                   for _ in range(plan.texts_per_request)], **plan.options)
+                for _ in range(256)]
     latencies: list[float] = []
     errors: dict[str, int] = {}
     counts = {"texts": 0, "tokens": 0}
     lock = threading.Lock()
     try:  # warm the channel (connection, HTTP/2 settings) before the clock starts
-        stub.Translate(pool[0], timeout=plan.timeout, metadata=metadata)
+        send(pool[0], timeout=plan.timeout, metadata=metadata)
     except grpc.RpcError:
         pass
     ready.release()
@@ -171,18 +185,18 @@ def _client_process(plan: _Plan, ready: Any, start: Any, results: Any) -> None:
             turn += plan.clients
             sent = time.perf_counter()
             try:
-                response = stub.Translate(request, timeout=plan.timeout, metadata=metadata)
+                response = send(request, timeout=plan.timeout, metadata=metadata)
             except grpc.RpcError as error:
                 code = error.code().name if hasattr(error, "code") else "UNKNOWN"
                 with lock:
                     errors[code] = errors.get(code, 0) + 1
                 continue
             elapsed = time.perf_counter() - sent
-            tokens = sum(len(t.hypotheses[0].token_ids) for t in response.translations
-                         if t.hypotheses)
+            translations = getattr(response, "translations", ())  # none in a health answer
+            tokens = sum(len(t.hypotheses[0].token_ids) for t in translations if t.hypotheses)
             with lock:
                 latencies.append(elapsed)
-                counts["texts"] += len(response.translations)
+                counts["texts"] += len(translations)
                 counts["tokens"] += tokens
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True)
@@ -200,7 +214,7 @@ def _client_process(plan: _Plan, ready: Any, start: Any, results: Any) -> None:
 def run_level(target: str, concurrency: int, requests: int, duration: float,
               texts: Sequence[str], texts_per_request: int, options: dict[str, Any],
               token: str | None = None, timeout: float = 60.0, processes: int = 0,
-              server_pid: int | None = None) -> LevelResult:
+              server_pid: int | None = None, rpc: str = "translate") -> LevelResult:
     """One closed-loop run with `concurrency` clients spread over `processes` processes.
 
     processes 0: one per core, at most one per client. Several processes keep the load
@@ -214,7 +228,7 @@ def run_level(target: str, concurrency: int, requests: int, duration: float,
     for index in range(processes):
         clients = concurrency // processes + (1 if index < concurrency % processes else 0)
         plan = _Plan(target, clients, remaining, duration, list(texts), texts_per_request,
-                     options, token, timeout, seed=concurrency * 1000 + index)
+                     options, token, timeout, seed=concurrency * 1000 + index, rpc=rpc)
         worker = context.Process(target=_client_process, args=(plan, ready, start, results),
                                  daemon=True)
         worker.start()
@@ -248,6 +262,7 @@ def run_level(target: str, concurrency: int, requests: int, duration: float,
         concurrency=concurrency, requests=done, errors=sum(errors.values()),
         texts=texts_done, tokens=tokens, seconds=round(seconds, 3),
         texts_per_s=round(texts_done / seconds, 2), tokens_per_s=round(tokens / seconds, 1),
+        requests_per_s=round(done / seconds, 1),
         p50_ms=round(float(np.percentile(lat_ms, 50)), 2) if len(lat_ms) else float("nan"),
         p99_ms=round(float(np.percentile(lat_ms, 99)), 2) if len(lat_ms) else float("nan"),
         error_codes=errors, processes=processes,
@@ -264,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated client counts, one run each")
     parser.add_argument("--requests", type=int, default=200, help="requests per level (max)")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per level (max)")
+    parser.add_argument("--rpc", choices=("translate", "health"), default="translate",
+                        help="health: Health.Check calls, the floor under Translate's figures")
     parser.add_argument("--texts-per-request", type=int, default=1)
     parser.add_argument("--texts-file", type=Path, default=None,
                         help="source texts, one per line (default: English number phrases)")
@@ -298,28 +315,32 @@ def offline_translator(artifacts: Path, threads: int) -> Any:
 
 
 def offline_throughput(translator: Any, texts: list[str], options: dict[str, Any],
-                       count: int = 256, call_texts: int | None = None) -> tuple[float, float]:
-    """Offline (tokens/s, texts/s) at batch 32 over the first `count` texts: all of them in one
-    call (the translator sorts them by length before it cuts batches of 32), or, with
-    `call_texts`, in calls of that many texts in their given order."""
+                       count: int = 256, call_texts: int | None = None
+                       ) -> tuple[float, float, float]:
+    """Offline (tokens/s, texts/s, CPU ms per text) at batch 32 over the first `count` texts:
+    all of them in one call (the translator sorts them by length before it cuts batches of 32),
+    or, with `call_texts`, in calls of that many texts in their given order. The CPU time is
+    this process's, every thread (ONNX Runtime's pool included)."""
     sample = texts[:count]
     translator.translate_hypotheses(sample[:32], **options)  # warm-up
     step = call_texts or len(sample)
-    started = time.perf_counter()
+    cpu_before, started = _cpu_seconds(), time.perf_counter()
     hyps = [h for start in range(0, len(sample), step)
             for h in translator.translate_hypotheses(sample[start:start + step], **options)]
     seconds = time.perf_counter() - started
-    return sum(len(h[0].token_ids) for h in hyps) / seconds, len(sample) / seconds
+    cpu_ms = (_cpu_seconds() - cpu_before) / len(sample) * 1000.0
+    return sum(len(h[0].token_ids) for h in hyps) / seconds, len(sample) / seconds, cpu_ms
 
 
 def offline_figures(translator: Any, texts: list[str], options: dict[str, Any],
                     count: int = 256) -> dict[str, float]:
     """Offline tokens/s at batch 32 (sorted over `count` texts, and in calls of 32 texts in
     arrival order: what a caller gets without seeing more than one batch ahead) and p50
-    latency of single texts, same texts and options."""
+    latency of single texts, same texts and options; and the CPU time a text costs at batch 32
+    (sorted), the least any server spends on it."""
     sample = texts[:count]
-    tokens_per_s, texts_per_s = offline_throughput(translator, texts, options, count)
-    calls_tokens_per_s, _ = offline_throughput(translator, texts, options, count, 32)
+    tokens_per_s, texts_per_s, cpu_ms = offline_throughput(translator, texts, options, count)
+    calls_tokens_per_s, _, _ = offline_throughput(translator, texts, options, count, 32)
     single = []
     for text in sample[:64]:
         started = time.perf_counter()
@@ -327,6 +348,7 @@ def offline_figures(translator: Any, texts: list[str], options: dict[str, Any],
         single.append(time.perf_counter() - started)
     return {"batch32_tokens_per_s": round(tokens_per_s, 1),
             "batch32_texts_per_s": round(texts_per_s, 2),
+            "batch32_cpu_ms_per_text": round(cpu_ms, 3),
             "calls32_tokens_per_s": round(calls_tokens_per_s, 1),
             "single_p50_ms": round(float(np.percentile(np.array(single) * 1000.0, 50)), 2)}
 
@@ -346,6 +368,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds and args.offline is None:
         print("loadgen: error: --rounds needs --offline (each round is a served run between "
               "two offline runs)", file=sys.stderr)
+        return 2
+    if args.rpc == "health" and (args.offline is not None or args.rounds):
+        print("loadgen: error: --rpc health measures the floor only; it takes no --offline "
+              "or --rounds", file=sys.stderr)
         return 2
     if not args.allow_remote and not is_loopback(args.server):
         print(f"loadgen: error: {args.server} is not a loopback address (--allow-remote)",
@@ -368,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def level(concurrency: int, requests: int) -> LevelResult:
         return run_level(args.server, concurrency, requests, args.duration, texts,
                          args.texts_per_request, options, args.token, args.timeout,
-                         args.processes, args.server_pid)
+                         args.processes, args.server_pid, args.rpc)
 
     if args.warmup:
         level(1, args.warmup)
@@ -378,12 +404,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(asdict(result)))
     else:
         server_column = args.server_pid is not None
-        print(f"{'clients':>7} {'requests':>8} {'errors':>6} {'texts/s':>9} {'tokens/s':>9} "
-              f"{'p50 ms':>8} {'p99 ms':>8} {'client CPU ms/req':>17}"
+        print(f"{'clients':>7} {'requests':>8} {'errors':>6} {'req/s':>8} {'texts/s':>9} "
+              f"{'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'client CPU ms/req':>17}"
               + (f" {'server CPU ms/req':>17}" if server_column else ""))
         for r in results:
-            print(f"{r.concurrency:>7} {r.requests:>8} {r.errors:>6} {r.texts_per_s:>9.1f} "
-                  f"{r.tokens_per_s:>9.1f} {r.p50_ms:>8.1f} {r.p99_ms:>8.1f} "
+            print(f"{r.concurrency:>7} {r.requests:>8} {r.errors:>6} {r.requests_per_s:>8.1f} "
+                  f"{r.texts_per_s:>9.1f} {r.tokens_per_s:>9.1f} {r.p50_ms:>8.1f} {r.p99_ms:>8.1f} "
                   f"{r.client_cpu_ms_per_request:>17.2f}"
                   + (f" {r.server_cpu_ms_per_request or float('nan'):>17.2f}"
                      if server_column else ""))

@@ -540,8 +540,10 @@ class TranslatorServer:
     """
 
     def __init__(self, config: ServerConfig, runtime: Any | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, worker: int | None = None) -> None:
         self.config = config.validate()
+        # one of --workers processes (tfserve.workers): it shares the port with the others
+        self.worker = worker
         if runtime is None:
             runtime = load_runtime(config)
         self.runtime = runtime
@@ -588,8 +590,9 @@ class TranslatorServer:
         options = [
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
-            # a second server on a busy port must fail, not silently share it
-            ("grpc.so_reuseport", 0),
+            # a second server on a busy port must fail, not silently share it; the workers of
+            # one `--workers N` server share theirs (the parent checked that it was free)
+            ("grpc.so_reuseport", 0 if self.worker is None else 1),
         ]
         interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
         server = grpc.aio.server(options=options, interceptors=interceptors)
@@ -615,6 +618,7 @@ class TranslatorServer:
             self.metrics_port = self.metrics.serve_http(config.metrics_port, config.host)
         log.info("serving", extra={"fields": {
             "event": "serving", "host": config.host, "port": self.port,
+            **({} if self.worker is None else {"worker": self.worker, "pid": os.getpid()}),
             "metrics_port": self.metrics_port, "model": self.runtime.config.name,
             "tls": config.tls_cert is not None, "auth": bool(config.auth_token),
             "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
@@ -743,9 +747,10 @@ def setup_logging(log_format: str, level: str) -> None:
 # -- entry point ----------------------------------------------------------------------------
 
 
-async def serve(config: ServerConfig, runtime: Any | None = None) -> int:
+async def serve(config: ServerConfig, runtime: Any | None = None,
+                worker: int | None = None) -> int:
     """Run until SIGTERM / SIGINT, then drain; returns the exit code."""
-    server = TranslatorServer(config, runtime)
+    server = TranslatorServer(config, runtime, worker=worker)
     await server.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -813,11 +818,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m tfserve serve ...`; returns the exit code."""
     config = parse_config(argv)
     setup_logging(config.log_format, config.log_level)
+    if config.workers > 1:
+        from tfserve.workers import run_workers
+
+        return run_workers(config)
+    return run_server(config)
+
+
+def run_server(config: ServerConfig, worker: int | None = None) -> int:
+    """Load the model and serve in this process until stopped; returns the exit code."""
     keep_freed_memory()
     try:
         run = event_loop_runner(config.event_loop)
         runtime = load_runtime(config)
-        return run(serve(config, runtime))
+        return run(serve(config, runtime, worker))
     except (ValueError, RuntimeError, OSError) as exc:
         log.error("cannot serve: %s", exc)
         return EXIT_USAGE

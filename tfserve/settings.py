@@ -31,6 +31,7 @@ class ServerConfig:
     metrics_port: int = 9090  # 0 disables the metrics endpoint
     device: str = "cpu"
     threads: int = 0
+    workers: int = 1
     max_batch_size: int = 32
     max_batch_tokens: int = 8192
     max_wait_ms: float = 2.0
@@ -56,8 +57,8 @@ class ServerConfig:
                                encode_ahead=self.encode_ahead)
 
     def validate(self) -> ServerConfig:
-        for name in ("max_batch_size", "max_batch_tokens", "max_queue", "max_texts_per_request",
-                     "max_message_bytes"):
+        for name in ("workers", "max_batch_size", "max_batch_tokens", "max_queue",
+                     "max_texts_per_request", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("port", "metrics_port", "threads", "default_max_new_tokens",
@@ -67,6 +68,13 @@ class ServerConfig:
         for name in ("max_wait_ms", "grace_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        for name in ("port", "metrics_port"):
+            if getattr(self, name) > 65535:
+                raise ValueError(f"--{_flag(name)} must be <= 65535, got {getattr(self, name)}")
+        if self.metrics_port and self.metrics_port + self.workers - 1 > 65535:
+            raise ValueError(f"--metrics-port {self.metrics_port} with --workers {self.workers}: "
+                             f"worker i serves metrics on metrics_port + i, which must be "
+                             f"<= 65535")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key must be given together")
         if self.event_loop not in EVENT_LOOPS:
@@ -96,6 +104,9 @@ _HELP = {
     "metrics_port": "Prometheus /metrics HTTP port (0 disables)",
     "device": "cpu, cuda or cuda:N",
     "threads": "ONNX Runtime intra-op threads (0: one per core)",
+    "workers": ("server processes sharing --port, each with its own model copy, batch and "
+                "interpreter lock; the kernel spreads client connections over them; worker i "
+                "serves metrics on --metrics-port + i (Linux; see docs/server.md)"),
     "max_batch_size": "rows (beams and samples count one each) in the running decoder batch; "
                       "inputs per encoder run",
     "max_batch_tokens": "padded source tokens per encoder run",

@@ -1,0 +1,147 @@
+"""`python -m tfserve serve --workers N`: N server processes on one port (tfserve.workers).
+
+Real processes on a loopback port, real gRPC channels (one TCP connection each, as the kernel
+spreads connections, not calls, over the workers).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from server_helpers import ROOT, ServerProcess, export_random_model, server_args
+
+from tfserve.client import translate_request
+from tfserve.proto import translator_pb2_grpc as pb2_grpc
+from tfserve.settings import parse_config
+from tfserve.workers import worker_configs
+
+TEXTS = ["seven", "twenty-one", "three hundred and forty-two", "ninety-nine"]
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_random_model(tmp_path_factory.mktemp("random-model") / "artifacts")
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 free too (worker i serves metrics on metrics_port + i)."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            if port >= 65535:
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def own_connection(target: str) -> grpc.Channel:
+    """A channel with a TCP connection of its own (channels to one target share one by default)."""
+    return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def served_requests(metrics_port: int) -> int:
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith('tfserve_requests_total{code="OK",rpc="Translate"}'):
+                return int(float(line.split()[-1]))
+    return 0
+
+
+def test_worker_settings() -> None:
+    config = parse_config(["--workers", "2", "--metrics-port", "9100"], environ={})
+    configs = worker_configs(config, 50099)
+    assert [c.metrics_port for c in configs] == [9100, 9101]
+    assert all(c.port == 50099 and c.workers == 1 for c in configs)
+    assert configs[0].threads == max(1, (os.cpu_count() or 1) // 2)
+    pinned = worker_configs(parse_config(["--workers", "3", "--threads", "2",
+                                          "--metrics-port", "0"], environ={}), 1)
+    assert [(c.threads, c.metrics_port) for c in pinned] == [(2, 0)] * 3
+    for bad in (["--workers", "0"], ["--workers", "3", "--metrics-port", "65534"],
+                ["--port", "70000"]):
+        with pytest.raises(SystemExit):
+            parse_config(bad, environ={})
+
+
+def test_workers_share_the_port_and_drain_together(random_model: Path) -> None:
+    metrics = free_port_pair()
+    process = ServerProcess(server_args(random_model, "--workers", "2", "--max-batch-size", "2",
+                                        "--metrics-port", str(metrics), "--grace-seconds", "30"))
+    channels: list[grpc.Channel] = []
+    try:
+        target = process.wait_serving(workers=2)
+        serving = [r for r in process.records() if r.get("event") == "serving"]
+        assert sorted(r["worker"] for r in serving) == [0, 1]
+        assert len({r["pid"] for r in serving}) == 2 and len({r["port"] for r in serving}) == 1
+        # 16 connections: both workers answer (all on one worker: a 2**-15 chance), the same
+        channels = [own_connection(target) for _ in range(16)]
+        request = translate_request(TEXTS, max_new_tokens=8)
+        answers = {tuple(tuple(h.token_ids) for t in
+                         pb2_grpc.TranslatorStub(c).Translate(request, timeout=60).translations
+                         for h in t.hypotheses) for c in channels}
+        assert len(answers) == 1
+        counts = [served_requests(metrics), served_requests(metrics + 1)]
+        assert sum(counts) == 16 and min(counts) > 0, counts
+        # SIGTERM to the parent: every worker drains, the calls in flight are answered
+        # 8 calls x 8 inputs x 120 steps through 2 rows a worker: seconds of work
+        long = translate_request(TEXTS * 2, max_new_tokens=120, min_new_tokens=120)
+        with ThreadPoolExecutor(8) as pool:
+            in_flight = [pool.submit(pb2_grpc.TranslatorStub(c).Translate, long, timeout=120)
+                         for c in channels[:8]]
+            time.sleep(0.5)
+            assert not all(f.done() for f in in_flight), "requests finished too early"
+            process.proc.send_signal(signal.SIGTERM)
+            replies = [f.result(120) for f in in_flight]
+        assert all(len(h.token_ids) == 120 for r in replies for t in r.translations
+                   for h in t.hypotheses)
+        assert process.proc.wait(60) == 0
+        records = process.records()
+        assert len([r for r in records if r.get("event") == "stopped"]) == 2
+        assert len([r for r in records if r.get("event") == "draining"]) == 2
+    finally:
+        for channel in channels:
+            channel.close()
+        process.kill()
+
+
+def test_a_worker_that_dies_stops_the_set(random_model: Path) -> None:
+    process = ServerProcess(server_args(random_model, "--workers", "2"))
+    try:
+        process.wait_serving(workers=2)
+        victim = next(r["pid"] for r in process.records() if r.get("worker") == 0)
+        os.kill(victim, signal.SIGKILL)
+        assert process.proc.wait(60) == 1  # the supervisor restarts the whole set
+        records = process.records()
+        assert any("exited with code -9" in str(r.get("msg")) for r in records)
+        assert [r for r in records if r.get("event") == "stopped"]  # the other one drained
+    finally:
+        process.kill()
+
+
+def test_busy_port_is_a_clear_error(random_model: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "tfserve", "serve", *server_args(random_model),
+             "--workers", "2", "--port", str(port)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert f"--port {port}" in done.stderr and "cannot bind" in done.stderr
