@@ -856,7 +856,8 @@ def test_loadgen_smoke(server: ServerThread, capsys: pytest.CaptureFixture[str])
     assert english_number(342) == "three hundred and forty-two"
     assert english_number(8005) == "eight thousand and five"
     code = main(["--server", server.target, "--concurrency", "1,4", "--requests", "8",
-                 "--duration", "10", "--max-new-tokens", "4", "--warmup", "1", "--json"])
+                 "--duration", "10", "--max-new-tokens", "4", "--warmup", "1", "--json",
+                 "--connections", "4"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert code == 0 and len(lines) == 2 and '"concurrency": 4' in lines[1]
     assert main(["--server", "192.0.2.1:50051"]) == 2  # not loopback
@@ -869,6 +870,7 @@ def test_loadgen_smoke(server: ServerThread, capsys: pytest.CaptureFixture[str])
     assert code == 0 and floor["requests"] == 20 and floor["errors"] == 0
     assert floor["texts"] == 0 and floor["tokens"] == 0 and floor["requests_per_s"] > 0
     assert main(["--server", server.target, "--rpc", "health", "--offline", "x"]) == 2
+    assert main(["--server", server.target, "--connections", "-1"]) == 2
 
 
 def test_loadgen_offline_figures_sorted_and_in_calls_of_32(random_model: Path) -> None:

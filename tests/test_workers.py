@@ -145,3 +145,22 @@ def test_busy_port_is_a_clear_error(random_model: Path) -> None:
             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert f"--port {port}" in done.stderr and "cannot bind" in done.stderr
+
+
+def test_loadgen_counts_the_cpu_of_the_workers() -> None:
+    """--server-pid on a parent whose work runs in child processes counts the children."""
+    from tfserve.loadgen import process_cpu_seconds
+
+    spin = "import time\nend = time.process_time() + 5\nwhile time.process_time() < end: pass"
+    parent = subprocess.Popen(["bash", "-c", f"{sys.executable} -c '{spin}' & sleep 30"])
+    try:
+        time.sleep(1.5)
+        seconds = process_cpu_seconds(parent.pid)
+        assert seconds is not None and seconds >= 0.6  # the child's, not bash's own ~0
+    finally:
+        try:  # the spinner ends by itself within 5 s of CPU anyway
+            subprocess.run(["pkill", "-P", str(parent.pid)], check=False)
+        except FileNotFoundError:
+            pass
+        parent.kill()
+        parent.wait()

@@ -6,7 +6,8 @@
 
 For each concurrency level, that many closed-loop clients (each sends its next request when
 the previous answer arrives) run in --processes worker processes (blocking gRPC stubs, one
-thread per client, one channel per process); a level ends after --requests requests or
+thread per client, one channel per process unless --connections asks for more: a server
+with --workers spreads connections over its workers); a level ends after --requests requests or
 --duration seconds, whichever comes first. Reported per level: texts/s, generated tokens/s
 (tokens of the best hypotheses), p50 / p99 request latency, and the load generator's own CPU
 time per request (all its processes). With --server-pid (a server on this machine), the
@@ -119,14 +120,26 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def process_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of another process so far (Linux /proc), None if unknown."""
+def _proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), None if gone."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
+            return stat.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds so far of another process and its live children (a server
+    with --workers: the parent and its workers), Linux /proc; None if unknown."""
+    fields = _proc_stat(pid)
+    if fields is None:
+        return None
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (child := _proc_stat(entry)) is not None and child[1] == str(pid):
+            ticks += int(child[11]) + int(child[12])  # child[1]: its parent's pid
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -144,20 +157,24 @@ class _Plan:
     timeout: float
     seed: int
     rpc: str = "translate"  # or "health": Health.Check, the floor of any call
+    connections: int = 1  # TCP connections of this process; its clients take turns over them
 
 
 def _client_process(plan: _Plan, ready: Any, start: Any, results: Any) -> None:
     """Closed-loop clients on one channel; puts (latencies, errors, texts, tokens, cpu, s)."""
-    channel = grpc.insecure_channel(plan.target)
+    # channels to one target share one connection unless each has a subchannel pool of its own
+    options = [("grpc.use_local_subchannel_pool", 1)] if plan.connections > 1 else []
+    channels = [grpc.insecure_channel(plan.target, options=options)
+                for _ in range(plan.connections)]
     metadata = [("authorization", f"Bearer {plan.token}")] if plan.token else []
     rng = random.Random(plan.seed)
     # requests are built up front so that the timed loop costs only the RPC itself
     pool: list[Any]
     if plan.rpc == "health":
-        send = health_pb2_grpc.HealthStub(channel).Check
+        senders = [health_pb2_grpc.HealthStub(channel).Check for channel in channels]
         pool = [health_pb2.HealthCheckRequest(service="")]
     else:
-        send = pb2_grpc.TranslatorStub(channel).Translate
+        senders = [pb2_grpc.TranslatorStub(channel).Translate for channel in channels]
         pool = [translate_request([rng.choice(plan.texts)
                                    for _ in range(plan.texts_per_request)], **plan.options)
                 for _ in range(256)]
@@ -165,10 +182,11 @@ def _client_process(plan: _Plan, ready: Any, start: Any, results: Any) -> None:
     errors: dict[str, int] = {}
     counts = {"texts": 0, "tokens": 0}
     lock = threading.Lock()
-    try:  # warm the channel (connection, HTTP/2 settings) before the clock starts
-        send(pool[0], timeout=plan.timeout, metadata=metadata)
-    except grpc.RpcError:
-        pass
+    for send in senders:  # warm each connection (HTTP/2 settings) before the clock starts
+        try:
+            send(pool[0], timeout=plan.timeout, metadata=metadata)
+        except grpc.RpcError:
+            pass
     ready.release()
     start.wait()
     cpu_before, started = _cpu_seconds(), time.perf_counter()
@@ -176,6 +194,7 @@ def _client_process(plan: _Plan, ready: Any, start: Any, results: Any) -> None:
 
     def client(index: int) -> None:
         turn = index
+        send = senders[index % len(senders)]
         while time.perf_counter() < stop_at:
             with plan.requests.get_lock():
                 if plan.requests.value <= 0:
@@ -207,18 +226,22 @@ def _client_process(plan: _Plan, ready: Any, start: Any, results: Any) -> None:
         thread.join()
     seconds = time.perf_counter() - started
     cpu = _cpu_seconds() - cpu_before
-    channel.close()
+    for channel in channels:
+        channel.close()
     results.put((latencies, errors, counts["texts"], counts["tokens"], cpu, seconds))
 
 
 def run_level(target: str, concurrency: int, requests: int, duration: float,
               texts: Sequence[str], texts_per_request: int, options: dict[str, Any],
               token: str | None = None, timeout: float = 60.0, processes: int = 0,
-              server_pid: int | None = None, rpc: str = "translate") -> LevelResult:
+              server_pid: int | None = None, rpc: str = "translate",
+              connections: int = 0) -> LevelResult:
     """One closed-loop run with `concurrency` clients spread over `processes` processes.
 
     processes 0: one per core, at most one per client. Several processes keep the load
     generator's own Python (one interpreter lock per process) from capping the load.
+    connections: TCP connections in all, spread over the processes (0: one per process); a
+    server with --workers balances connections, not calls, so give it several.
     """
     processes = max(1, min(concurrency, processes or (os.cpu_count() or 1)))
     context = multiprocessing.get_context("spawn")  # no fork after gRPC has started threads
@@ -227,8 +250,10 @@ def run_level(target: str, concurrency: int, requests: int, duration: float,
     workers = []
     for index in range(processes):
         clients = concurrency // processes + (1 if index < concurrency % processes else 0)
+        links = max(1, connections // processes + (1 if index < connections % processes else 0))
         plan = _Plan(target, clients, remaining, duration, list(texts), texts_per_request,
-                     options, token, timeout, seed=concurrency * 1000 + index, rpc=rpc)
+                     options, token, timeout, seed=concurrency * 1000 + index, rpc=rpc,
+                     connections=min(links, clients))
         worker = context.Process(target=_client_process, args=(plan, ready, start, results),
                                  daemon=True)
         worker.start()
@@ -299,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--processes", type=int, default=0,
                         help="load generator processes (0: one per core, at most one per "
                              "client)")
+    parser.add_argument("--connections", type=int, default=0,
+                        help="TCP connections in all, at most one per client (0: one per "
+                             "process); a server with --workers balances connections")
     parser.add_argument("--rounds", type=int, default=0,
                         help="with --offline: 32-client runs, each between two offline "
                              "batch-32 runs, for a drift-resistant median ratio (0: none)")
@@ -365,6 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("loadgen: error: --concurrency, --requests and --duration must be positive",
               file=sys.stderr)
         return 2
+    if args.connections < 0 or args.processes < 0:
+        print("loadgen: error: --connections and --processes must be >= 0", file=sys.stderr)
+        return 2
     if args.rounds and args.offline is None:
         print("loadgen: error: --rounds needs --offline (each round is a served run between "
               "two offline runs)", file=sys.stderr)
@@ -394,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def level(concurrency: int, requests: int) -> LevelResult:
         return run_level(args.server, concurrency, requests, args.duration, texts,
                          args.texts_per_request, options, args.token, args.timeout,
-                         args.processes, args.server_pid, args.rpc)
+                         args.processes, args.server_pid, args.rpc, args.connections)
 
     if args.warmup:
         level(1, args.warmup)
