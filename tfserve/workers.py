@@ -23,6 +23,8 @@ How:
 - A worker that exits on its own (a failed start, a crash) stops the others: the parent exits
   with that worker's code, for the supervisor (Docker, Kubernetes) to restart the whole set.
   Workers also get SIGTERM if the parent dies (Linux parent-death signal).
+- Linux only: elsewhere SO_REUSEPORT lets processes share a port without spreading the
+  connections over them.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ def reserve_port(host: str, port: int) -> socket.socket:
     Raises OSError naming --port when anything holds the port (including another tfserve's
     workers, which would share it silently if we only bound with SO_REUSEPORT).
     """
-    if not hasattr(socket, "SO_REUSEPORT"):
-        raise OSError("--workers needs SO_REUSEPORT (Linux, BSD, macOS)")
+    if not sys.platform.startswith("linux"):  # elsewhere SO_REUSEPORT does not balance
+        raise OSError(f"--workers needs Linux, where SO_REUSEPORT spreads connections over the "
+                      f"processes that share a port; this is {sys.platform}")
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     probe = socket.socket(family, kind, proto)  # without SO_REUSEPORT: fails if the port is held
