@@ -350,6 +350,34 @@ def test_mounted_model_and_sigterm_drain(engine: str, image: str, random_model: 
         box.remove()
 
 
+@pytest.mark.docker
+def test_workers_in_a_container_drain_on_sigterm(engine: str, image: str) -> None:
+    """TFSERVE_WORKERS=2: the parent is the container's PID 1; `kill TERM` reaches both
+    workers through it, and the container exits 0 after both drained."""
+    from tfserve.client import Client
+
+    box = Container(engine, _name("workers"), env={"TFSERVE_WORKERS": "2"}, extra=["--read-only"])
+    try:
+        box.wait_serving()
+        with Client(box.target, timeout=60) as client:
+            assert client.translate(["seven", "twenty-one"]) == ["sept", "vingt et un"]
+        run(engine, "kill", "--signal", "TERM", box.name, check=True)
+        deadline = time.monotonic() + 60
+        while box.state().get("Running") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        state = box.state()
+        assert not state.get("Running") and state.get("ExitCode") == 0, (state,
+                                                                         box.logs()[-4000:])
+        records = [json.loads(line) for line in box.logs().splitlines() if line.startswith("{")]
+        serving = [r for r in records if r.get("event") == "serving"]
+        assert sorted(r["worker"] for r in serving) == [0, 1]
+        assert sum(r.get("event") == "stopped" for r in records) == 2
+        assert [r["exit_codes"] for r in records
+                if r.get("event") == "workers_stopped"] == [[0, 0]]
+    finally:
+        box.remove()
+
+
 # -- no engine needed ---------------------------------------------------------------------------
 
 
