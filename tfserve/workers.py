@@ -37,6 +37,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -143,7 +144,8 @@ def run_workers(config: ServerConfig) -> int:
         reservation.close()
 
 
-def _supervise(workers: list[Any], signals: Any, stop: Any) -> int:
+def _supervise(workers: list[Any], signals: Callable[[], int],
+               stop: Callable[[int, Any], None]) -> int:
     """Wait for every worker. One that exits before any signal stops the others; the exit
     code is the first non-zero worker code (0 when all drained cleanly)."""
     first_failure = 0
