@@ -120,18 +120,77 @@ def test_workers_share_the_port_and_drain_together(random_model: Path) -> None:
         process.kill()
 
 
-def test_a_worker_that_dies_stops_the_set(random_model: Path) -> None:
-    process = ServerProcess(server_args(random_model, "--workers", "2"))
+def test_a_worker_that_dies_is_restarted(random_model: Path) -> None:
+    process = ServerProcess(server_args(random_model, "--workers", "2", "--max-batch-size", "2"))
     try:
-        process.wait_serving(workers=2)
+        target = process.wait_serving(workers=2)
         victim = next(r["pid"] for r in process.records() if r.get("worker") == 0)
-        os.kill(victim, signal.SIGKILL)
-        assert process.proc.wait(60) == 1  # the supervisor restarts the whole set
+        # calls in flight on 16 connections (all on the victim: a 2**-16 chance): the
+        # victim's fail UNAVAILABLE, the others finish
+        long = translate_request(TEXTS, max_new_tokens=120, min_new_tokens=120)
+        channels = [own_connection(target) for _ in range(16)]
+        with ThreadPoolExecutor(16) as pool:
+            in_flight = [pool.submit(pb2_grpc.TranslatorStub(c).Translate, long, timeout=120)
+                         for c in channels]
+            time.sleep(0.5)
+            os.kill(victim, signal.SIGKILL)
+            outcomes = []
+            for future in in_flight:
+                try:
+                    outcomes.append(len(future.result(120).translations))
+                except grpc.RpcError as error:
+                    outcomes.append(error.code())
+        for channel in channels:
+            channel.close()
+        assert all(o in (4, grpc.StatusCode.UNAVAILABLE) for o in outcomes), outcomes
+        assert 4 in outcomes  # the other worker's calls were not touched
+        process.wait_serving(workers=3)  # a new worker 0
         records = process.records()
-        assert any("exited with code -9" in str(r.get("msg")) for r in records)
-        assert [r for r in records if r.get("event") == "stopped"]  # the other one drained
+        assert any("exited with code -9; restarting it" in str(r.get("msg")) for r in records)
+        reborn = [r for r in records if r.get("event") == "serving"][-1]
+        assert reborn["worker"] == 0 and reborn["pid"] != victim
+        channels = [own_connection(target) for _ in range(8)]
+        request = translate_request(TEXTS, max_new_tokens=4)
+        for channel in channels:
+            pb2_grpc.TranslatorStub(channel).Translate(request, timeout=60)
+            channel.close()
+        process.proc.send_signal(signal.SIGTERM)
+        assert process.proc.wait(60) == 0
+        stopped = [r for r in process.records() if r.get("event") == "workers_stopped"]
+        assert stopped and stopped[0]["exit_codes"] == [0, 0]
     finally:
         process.kill()
+
+
+def test_a_worker_that_cannot_start_stops_the_set(random_model: Path) -> None:
+    """A bad setting fails every worker before it serves: no restart loop, exit 2."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tfserve", "serve", *server_args(random_model),
+         "--workers", "2", "--default-max-new-tokens", "100000", "--log-level", "info"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--default-max-new-tokens 100000 is over" in done.stderr
+    assert "before serving; stopping the others" in done.stderr
+    assert "restarting" not in done.stderr
+
+
+def test_restarts_are_limited() -> None:
+    """Workers that keep dying after they served stop the set after RESTARTS restarts a
+    window, and none is restarted once the set was told to stop."""
+    import threading
+
+    from tfserve import workers
+
+    pool = workers._Workers(worker_configs(parse_config([], environ={}), 50051))
+    pool.serving[0] = threading.Event()
+    assert not pool.may_restart(0)  # it never served
+    pool.serving[0].set()
+    assert [pool.may_restart(0) for _ in range(workers.RESTARTS + 1)] == (
+        [True] * workers.RESTARTS + [False])
+    pool.restarts = [time.monotonic() - workers.RESTART_WINDOW_S - 1] * workers.RESTARTS
+    assert pool.may_restart(0)  # the old ones left the window
+    pool.signals = 1
+    assert not pool.may_restart(0)
 
 
 def test_busy_port_is_a_clear_error(random_model: Path) -> None:

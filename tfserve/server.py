@@ -747,15 +747,18 @@ def setup_logging(log_format: str, level: str) -> None:
 # -- entry point ----------------------------------------------------------------------------
 
 
-async def serve(config: ServerConfig, runtime: Any | None = None,
-                worker: int | None = None) -> int:
-    """Run until SIGTERM / SIGINT, then drain; returns the exit code."""
+async def serve(config: ServerConfig, runtime: Any | None = None, worker: int | None = None,
+                on_serving: Callable[[], None] | None = None) -> int:
+    """Run until SIGTERM / SIGINT, then drain; returns the exit code. on_serving is called
+    once the server listens (a worker tells its parent that it started)."""
     server = TranslatorServer(config, runtime, worker=worker)
-    await server.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before start: a signal then still drains
         loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    if on_serving is not None:
+        on_serving()
     await stop.wait()
     drain = asyncio.ensure_future(server.drain())
     # a second signal during the drain stops at once
@@ -825,13 +828,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_server(config)
 
 
-def run_server(config: ServerConfig, worker: int | None = None) -> int:
+def run_server(config: ServerConfig, worker: int | None = None,
+               on_serving: Callable[[], None] | None = None) -> int:
     """Load the model and serve in this process until stopped; returns the exit code."""
     keep_freed_memory()
     try:
         run = event_loop_runner(config.event_loop)
         runtime = load_runtime(config)
-        return run(serve(config, runtime, worker))
+        return run(serve(config, runtime, worker, on_serving))
     except (ValueError, RuntimeError, OSError) as exc:
         log.error("cannot serve: %s", exc)
         return EXIT_USAGE

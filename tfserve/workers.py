@@ -20,9 +20,11 @@ How:
   server does (NOT_SERVING, UNAVAILABLE for new calls, in-flight calls finish within
   `--grace-seconds`); a second signal is passed on too and stops them at once. The parent exits
   0 when every worker did.
-- A worker that exits on its own (a failed start, a crash) stops the others: the parent exits
-  with that worker's code, for the supervisor (Docker, Kubernetes) to restart the whole set.
-  Workers also get SIGTERM if the parent dies (Linux parent-death signal).
+- A worker that served and then died (a crash, a kill) is restarted in its place; the others
+  serve on, their requests untouched. More than RESTARTS restarts within RESTART_WINDOW_S, or
+  a worker that exits before it served (a bad model, a bad flag), stops the set: the parent
+  exits with that worker's code (1 for a signal), for Docker or Kubernetes to act on.
+  Workers get SIGTERM if the parent dies (Linux parent-death signal).
 - Linux only: elsewhere SO_REUSEPORT lets processes share a port without spreading the
   connections over them.
 """
@@ -37,7 +39,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -46,6 +48,8 @@ from tfserve.settings import ServerConfig
 log = logging.getLogger("tfserve.server")
 
 EXIT_USAGE = 2
+RESTARTS = 5  # a worker that served and died is restarted, up to this many times ...
+RESTART_WINDOW_S = 60.0  # ... within this many seconds; then the set stops
 _PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
 
 
@@ -86,9 +90,10 @@ def worker_configs(config: ServerConfig, port: int) -> list[ServerConfig]:
             for index in range(config.workers)]
 
 
-def _worker(config: ServerConfig, index: int) -> None:
+def _worker(config: ServerConfig, index: int, serving: Any) -> None:
     """A worker process: its own session (a terminal's Ctrl-C reaches the parent only, which
-    passes it on once), SIGTERM if the parent dies, then a whole server."""
+    passes it on once), SIGTERM if the parent dies, then a whole server; `serving` (an
+    Event) is set once it listens."""
     os.setsid()
     try:
         ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -97,7 +102,80 @@ def _worker(config: ServerConfig, index: int) -> None:
     from tfserve.server import run_server, setup_logging
 
     setup_logging(config.log_format, config.log_level)
-    sys.exit(run_server(config, worker=index))
+    sys.exit(run_server(config, worker=index, on_serving=serving.set))
+
+
+class _Workers:
+    """The worker processes, what they were told, and when they were restarted."""
+
+    def __init__(self, configs: list[ServerConfig]) -> None:
+        self.configs = configs
+        self.context = multiprocessing.get_context("spawn")  # fresh: no inherited threads
+        self.processes: dict[int, Any] = {}
+        self.serving: dict[int, Any] = {}  # index -> Event set once that worker listened
+        self.signals = 0
+        self.restarts: list[float] = []
+        self.exit_codes: dict[int, int | None] = {}
+
+    def start(self, index: int) -> None:
+        self.serving[index] = self.context.Event()
+        process = self.context.Process(
+            target=_worker, args=(self.configs[index], index, self.serving[index]),
+            name=f"tfserve-worker-{index}")
+        process.start()
+        self.processes[index] = process
+        if self.signals:  # stopped while starting: this one missed the signal
+            os.kill(process.pid, signal.SIGTERM)
+
+    def stop(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
+        """The parent's SIGTERM / SIGINT handler: pass it on to every live worker."""
+        self.signals += 1
+        for process in self.processes.values():
+            if process.exitcode is None:
+                os.kill(process.pid, signal.SIGTERM)
+
+    def may_restart(self, index: int) -> bool:
+        """Restart a worker that served and then died, unless the set is stopping or workers
+        died too often lately (a fault that a restart does not cure)."""
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
+        if self.signals or not self.serving[index].is_set() or len(self.restarts) >= RESTARTS:
+            return False
+        self.restarts.append(now)
+        return True
+
+    def supervise(self) -> int:
+        """Wait until every worker exited; the first failure's exit code, else 0."""
+        first_failure = 0
+        while True:
+            running = {p.sentinel: i for i, p in self.processes.items() if i not in self.exit_codes}
+            if not running:
+                break
+            for sentinel in multiprocessing.connection.wait(list(running)):
+                index = running[sentinel]
+                process = self.processes[index]
+                process.join()
+                code = process.exitcode  # negative: killed by that signal
+                if self.signals:  # told to stop: this is the drain ending
+                    self.exit_codes[index] = code
+                    if code != 0 and not first_failure:
+                        first_failure = code if code and code > 0 else 1
+                elif self.may_restart(index):
+                    log.warning("worker %d (pid %d) exited with code %s; restarting it", index,
+                                process.pid, code)
+                    self.start(index)
+                else:
+                    self.exit_codes[index] = code
+                    first_failure = first_failure or (code if code and code > 0 else 1)
+                    log.error("worker %d (pid %d) exited with code %s%s; stopping the others",
+                              index, process.pid, code,
+                              "" if self.serving[index].is_set() else " before serving")
+                    self.stop()
+        log.info("workers stopped", extra={"fields": {
+            "event": "workers_stopped",
+            "exit_codes": [self.exit_codes[i] for i in sorted(self.exit_codes)],
+            "exit_code": first_failure}})
+        return first_failure
 
 
 def run_workers(config: ServerConfig) -> int:
@@ -112,57 +190,18 @@ def run_workers(config: ServerConfig) -> int:
         log.error("cannot serve: %s", exc)
         return EXIT_USAGE
     port = reservation.getsockname()[1]
-    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads
-    workers: list[Any] = []
-    signals = 0
-
-    def pass_on(signum: int, frame: Any) -> None:
-        nonlocal signals
-        signals += 1
-        for worker in workers:
-            if worker.exitcode is None:
-                os.kill(worker.pid, signal.SIGTERM)
-
-    previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
+    workers = _Workers(worker_configs(config, port))
+    previous = {sig: signal.signal(sig, workers.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        configs = worker_configs(config, port)
-        for index, worker_config in enumerate(configs):
-            worker = context.Process(target=_worker, args=(worker_config, index),
-                                     name=f"tfserve-worker-{index}")
-            worker.start()
-            workers.append(worker)
-            if signals:  # stopped while starting: this one missed the signal
-                os.kill(worker.pid, signal.SIGTERM)
+        for index in range(config.workers):
+            workers.start(index)
         log.info("workers", extra={"fields": {
-            "event": "workers", "workers": len(workers), "port": port,
-            "pids": [w.pid for w in workers], "threads": configs[0].threads,
-            "metrics_ports": [c.metrics_port for c in configs if c.metrics_port]}})
-        return _supervise(workers, lambda: signals, pass_on)
+            "event": "workers", "workers": config.workers, "port": port,
+            "pids": [p.pid for p in workers.processes.values()],
+            "threads": workers.configs[0].threads,
+            "metrics_ports": [c.metrics_port for c in workers.configs if c.metrics_port]}})
+        return workers.supervise()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         reservation.close()
-
-
-def _supervise(workers: list[Any], signals: Callable[[], int],
-               stop: Callable[[int, Any], None]) -> int:
-    """Wait for every worker. One that exits before any signal stops the others; the exit
-    code is the first non-zero worker code (0 when all drained cleanly)."""
-    first_failure = 0
-    running = {worker.sentinel: worker for worker in workers}
-    while running:
-        for sentinel in multiprocessing.connection.wait(list(running)):
-            worker = running.pop(sentinel)
-            worker.join()
-            code = worker.exitcode  # negative: killed by that signal
-            unexpected = not signals()
-            if (code != 0 or unexpected) and not first_failure:
-                first_failure = code if code and code > 0 else 1
-            if unexpected:
-                log.error("worker %s (pid %d) exited with code %s; stopping the others",
-                          worker.name, worker.pid, code)
-                stop(signal.SIGTERM, None)
-    log.info("workers stopped", extra={"fields": {
-        "event": "workers_stopped", "exit_codes": [w.exitcode for w in workers],
-        "exit_code": first_failure}})
-    return first_failure
