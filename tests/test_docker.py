@@ -361,6 +361,11 @@ def test_workers_in_a_container_drain_on_sigterm(engine: str, image: str) -> Non
         box.wait_serving()
         with Client(box.target, timeout=60) as client:
             assert client.translate(["seven", "twenty-one"]) == ["sept", "vingt et un"]
+        url = f"http://127.0.0.1:{box.metrics_port}/metrics"  # the parent's: every worker
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        for worker in ("0", "1"):
+            assert f'tfserve_worker_up{{worker="{worker}"}} 1.0' in text, text[:2000]
         run(engine, "kill", "--signal", "TERM", box.name, check=True)
         deadline = time.monotonic() + 60
         while box.state().get("Running") and time.monotonic() < deadline:

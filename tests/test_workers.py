@@ -23,7 +23,7 @@ from server_helpers import ROOT, ServerProcess, export_random_model, server_args
 from tfserve.client import translate_request
 from tfserve.proto import translator_pb2_grpc as pb2_grpc
 from tfserve.settings import parse_config
-from tfserve.workers import worker_configs
+from tfserve.workers import metrics_url, worker_configs
 
 TEXTS = ["seven", "twenty-one", "three hundred and forty-two", "ninety-nine"]
 
@@ -33,21 +33,28 @@ def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_random_model(tmp_path_factory.mktemp("random-model") / "artifacts")
 
 
-def free_port_pair() -> int:
-    """A port p with p + 1 free too (worker i serves metrics on metrics_port + i)."""
+def free_ports(count: int) -> int:
+    """A port p with p + 1 ... p + count - 1 free too (the parent's metrics, then each
+    worker's)."""
     for _ in range(50):
         with socket.socket() as first:
             first.bind(("127.0.0.1", 0))
             port = int(first.getsockname()[1])
-            if port >= 65535:
+            if port + count - 1 > 65535:
                 continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no two consecutive free ports")
+            taken = []
+            try:
+                for offset in range(1, count):
+                    sock = socket.socket()
+                    taken.append(sock)
+                    sock.bind(("127.0.0.1", port + offset))
+            except OSError:
+                continue
+            finally:
+                for sock in taken:
+                    sock.close()
+            return port
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def own_connection(target: str) -> grpc.Channel:
@@ -55,32 +62,40 @@ def own_connection(target: str) -> grpc.Channel:
     return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
 
 
-def served_requests(metrics_port: int) -> int:
+def translate_ok(metrics_port: int) -> dict[str, int]:
+    """tfserve_requests_total{code="OK",rpc="Translate"} by worker label ("" for none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith('tfserve_requests_total{code="OK",rpc="Translate"}'):
-                return int(float(line.split()[-1]))
-    return 0
+        text = response.read().decode()
+    return {sample.labels.get("worker", ""): int(sample.value)
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == "tfserve_requests_total"
+            and sample.labels.get("code") == "OK" and sample.labels.get("rpc") == "Translate"}
 
 
 def test_worker_settings() -> None:
     config = parse_config(["--workers", "2", "--metrics-port", "9100"], environ={})
     configs = worker_configs(config, 50099)
-    assert [c.metrics_port for c in configs] == [9100, 9101]
+    assert [c.metrics_port for c in configs] == [9101, 9102]  # 9100: the parent's, all of them
     assert all(c.port == 50099 and c.workers == 1 for c in configs)
     assert configs[0].threads == max(1, (os.cpu_count() or 1) // 2)
     pinned = worker_configs(parse_config(["--workers", "3", "--threads", "2",
                                           "--metrics-port", "0"], environ={}), 1)
     assert [(c.threads, c.metrics_port) for c in pinned] == [(2, 0)] * 3
-    for bad in (["--workers", "0"], ["--workers", "3", "--metrics-port", "65534"],
+    for bad in (["--workers", "0"], ["--workers", "3", "--metrics-port", "65533"],
                 ["--port", "70000"]):
         with pytest.raises(SystemExit):
             parse_config(bad, environ={})
+    assert parse_config(["--workers", "3", "--metrics-port", "65532"], environ={})
+    assert metrics_url("0.0.0.0", 9101) == "http://127.0.0.1:9101/metrics"
+    assert metrics_url("::", 9101) == "http://[::1]:9101/metrics"
+    assert metrics_url("10.1.2.3", 9101) == "http://10.1.2.3:9101/metrics"
 
 
 def test_workers_share_the_port_and_drain_together(random_model: Path) -> None:
-    metrics = free_port_pair()
+    metrics = free_ports(3)
     process = ServerProcess(server_args(random_model, "--workers", "2", "--max-batch-size", "2",
                                         "--metrics-port", str(metrics), "--grace-seconds", "30"))
     channels: list[grpc.Channel] = []
@@ -96,8 +111,9 @@ def test_workers_share_the_port_and_drain_together(random_model: Path) -> None:
                          pb2_grpc.TranslatorStub(c).Translate(request, timeout=60).translations
                          for h in t.hypotheses) for c in channels}
         assert len(answers) == 1
-        counts = [served_requests(metrics), served_requests(metrics + 1)]
+        counts = [translate_ok(metrics + 1)[""], translate_ok(metrics + 2)[""]]
         assert sum(counts) == 16 and min(counts) > 0, counts
+        assert translate_ok(metrics) == {"0": counts[0], "1": counts[1]}  # one scrape, all
         # SIGTERM to the parent: every worker drains, the calls in flight are answered
         # 8 calls x 8 inputs x 120 steps through 2 rows a worker: seconds of work
         long = translate_request(TEXTS * 2, max_new_tokens=120, min_new_tokens=120)
@@ -193,17 +209,22 @@ def test_restarts_are_limited() -> None:
     assert not pool.may_restart(0)
 
 
-def test_busy_port_is_a_clear_error(random_model: Path) -> None:
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        port = holder.getsockname()[1]
-        done = subprocess.run(
-            [sys.executable, "-m", "tfserve", "serve", *server_args(random_model),
-             "--workers", "2", "--port", str(port)],
-            cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert f"--port {port}" in done.stderr and "cannot bind" in done.stderr
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_busy_ports_are_clear_errors(random_model: Path, workers: str) -> None:
+    """A held gRPC or metrics port: exit 2 naming the flag, and no traceback (a server must
+    not outlive the event loop it started on)."""
+    for flag in ("--port", "--metrics-port"):
+        with socket.socket() as holder:
+            holder.bind(("0.0.0.0", 0))
+            holder.listen()
+            port = holder.getsockname()[1]
+            done = subprocess.run(
+                [sys.executable, "-m", "tfserve", "serve", *server_args(random_model),
+                 "--workers", workers, flag, str(port)],
+                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert f"{flag} {port}: cannot" in done.stderr, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
 
 
 def test_loadgen_counts_the_cpu_of_the_workers() -> None:

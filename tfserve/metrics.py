@@ -8,6 +8,8 @@ worker thread; prometheus_client's metrics are thread-safe.
 from __future__ import annotations
 
 import threading
+import urllib.request
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -18,6 +20,8 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 # seconds: from a lone sub-millisecond step up to a long queue wait under overload
 _TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -79,12 +83,60 @@ class Metrics:
 
     def serve_http(self, port: int, host: str = "0.0.0.0") -> int:
         """Expose /metrics on host:port (0 picks a free port); returns the port."""
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
-        self._http, self._http_thread = server, thread
-        return int(server.server_port)
+        self._http, self._http_thread = serve_registry(self.registry, port, host)
+        return int(self._http.server_port)
 
     def close(self) -> None:
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+def serve_registry(registry: Any, port: int, host: str) -> tuple[Any, threading.Thread]:
+    """/metrics of `registry` on host:port; a busy port is an OSError naming --metrics-port."""
+    try:
+        return start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise OSError(f"--metrics-port {port}: cannot listen on {host}:{port}: "
+                      f"{exc.strerror or exc}") from None
+
+
+class WorkersCollector:
+    """The metrics of every `--workers` process as one scrape, each sample labelled with its
+    worker; `tfserve_worker_up` says which workers answered (one restarting does not)."""
+
+    def __init__(self, urls: Sequence[str], timeout: float = 2.0) -> None:
+        self.urls = list(urls)
+        self.timeout = timeout
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        up = GaugeMetricFamily("tfserve_worker_up", "Whether the worker answered this scrape",
+                               labels=["worker"])
+        for index, url in enumerate(self.urls):
+            worker = str(index)
+            try:
+                with urllib.request.urlopen(url, timeout=self.timeout) as response:
+                    text = response.read().decode()
+            except OSError:
+                up.add_metric([worker], 0.0)
+                continue
+            up.add_metric([worker], 1.0)
+            for family in text_string_to_metric_families(text):
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation,
+                                                            family.type, family.unit)
+                merged.samples += [sample._replace(labels={"worker": worker, **sample.labels})
+                                   for sample in family.samples]
+        yield up
+        yield from families.values()
+
+
+def serve_workers_metrics(urls: Sequence[str], port: int, host: str) -> Any:
+    """/metrics on host:port gathering the workers' /metrics at `urls`; the HTTP server."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(WorkersCollector(urls))  # type: ignore[arg-type]
+    server, _ = serve_registry(registry, port, host)
+    return server

@@ -586,6 +586,10 @@ class TranslatorServer:
         config = self.config
         self._idle = asyncio.Event()
         self._idle.set()
+        # the metrics port first: a busy one then fails before anything runs that would need
+        # stopping (a started gRPC server outliving its event loop)
+        if config.metrics_port:
+            self.metrics_port = self.metrics.serve_http(config.metrics_port, config.host)
         self.scheduler.start()
         options = [
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -602,20 +606,23 @@ class TranslatorServer:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         address = f"[{config.host}]:{config.port}" if ":" in config.host else (
             f"{config.host}:{config.port}")
-        if config.tls_cert is not None and config.tls_key is not None:
-            credentials = grpc.ssl_server_credentials(
-                [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
-            self.port = server.add_secure_port(address, credentials)
-        else:
-            self.port = server.add_insecure_port(address)
+        try:
+            if config.tls_cert is not None and config.tls_key is not None:
+                credentials = grpc.ssl_server_credentials(
+                    [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+                self.port = server.add_secure_port(address, credentials)
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:  # grpc's "failed to bind" in newer versions
+            self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"cannot listen on {address}")
+            self.metrics.close()
+            self.scheduler.stop()
+            raise RuntimeError(f"--port {config.port}: cannot listen on {address}")
         await server.start()
         self._server = server
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        if config.metrics_port:
-            self.metrics_port = self.metrics.serve_http(config.metrics_port, config.host)
         log.info("serving", extra={"fields": {
             "event": "serving", "host": config.host, "port": self.port,
             **({} if self.worker is None else {"worker": self.worker, "pid": os.getpid()}),

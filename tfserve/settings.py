@@ -71,9 +71,9 @@ class ServerConfig:
         for name in ("port", "metrics_port"):
             if getattr(self, name) > 65535:
                 raise ValueError(f"--{_flag(name)} must be <= 65535, got {getattr(self, name)}")
-        if self.metrics_port and self.metrics_port + self.workers - 1 > 65535:
+        if self.metrics_port and self.workers > 1 and self.metrics_port + self.workers > 65535:
             raise ValueError(f"--metrics-port {self.metrics_port} with --workers {self.workers}: "
-                             f"worker i serves metrics on metrics_port + i, which must be "
+                             f"worker i serves metrics on metrics_port + 1 + i, which must be "
                              f"<= 65535")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key must be given together")
@@ -105,8 +105,9 @@ _HELP = {
     "device": "cpu, cuda or cuda:N",
     "threads": "ONNX Runtime intra-op threads (0: one per core)",
     "workers": ("server processes sharing --port, each with its own model copy, batch and "
-                "interpreter lock; the kernel spreads client connections over them; worker i "
-                "serves metrics on --metrics-port + i (Linux; see docs/server.md)"),
+                "interpreter lock; the kernel spreads client connections over them; "
+                "--metrics-port serves all their metrics (label worker), worker i its own on "
+                "--metrics-port + 1 + i (Linux; see docs/server.md)"),
     "max_batch_size": "rows (beams and samples count one each) in the running decoder batch; "
                       "inputs per encoder run",
     "max_batch_tokens": "padded source tokens per encoder run",

@@ -13,7 +13,9 @@ How:
   same port with SO_REUSEPORT; the kernel spreads incoming *connections* over them. A client
   that sends everything over one channel is served by one worker: spread load over several
   channels, or put a connection-balancing proxy in front (docs/server.md).
-- Worker i serves Prometheus metrics on `--metrics-port + i`.
+- The parent serves every worker's Prometheus metrics on `--metrics-port`, each sample
+  labelled `worker`, plus `tfserve_worker_up`; worker i also serves its own on
+  `--metrics-port + 1 + i`.
 - With `--threads 0`, each worker takes cores // N intra-op threads (at least 1), not one per
   core each.
 - SIGTERM or SIGINT to the parent is passed on once to every worker, which drains as a single
@@ -43,6 +45,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from tfserve.metrics import serve_workers_metrics
 from tfserve.settings import ServerConfig
 
 log = logging.getLogger("tfserve.server")
@@ -83,11 +86,18 @@ def reserve_port(host: str, port: int) -> socket.socket:
 
 
 def worker_configs(config: ServerConfig, port: int) -> list[ServerConfig]:
-    """Each worker's settings: the reserved port, metrics_port + i, its share of the cores."""
+    """Each worker's settings: the reserved port, metrics on metrics_port + 1 + i (the parent
+    serves them all on metrics_port), its share of the cores."""
     threads = config.threads or max(1, (os.cpu_count() or 1) // config.workers)
     return [replace(config, port=port, threads=threads, workers=1,
-                    metrics_port=config.metrics_port + index if config.metrics_port else 0)
+                    metrics_port=config.metrics_port + 1 + index if config.metrics_port else 0)
             for index in range(config.workers)]
+
+
+def metrics_url(host: str, port: int) -> str:
+    """Where the parent reads a worker's /metrics (a wildcard host is reached on loopback)."""
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
 
 
 def _worker(config: ServerConfig, index: int, serving: Any) -> None:
@@ -191,6 +201,16 @@ def run_workers(config: ServerConfig) -> int:
         return EXIT_USAGE
     port = reservation.getsockname()[1]
     workers = _Workers(worker_configs(config, port))
+    metrics = None
+    if config.metrics_port:
+        try:
+            metrics = serve_workers_metrics(
+                [metrics_url(config.host, c.metrics_port) for c in workers.configs],
+                config.metrics_port, config.host)
+        except OSError as exc:
+            reservation.close()
+            log.error("cannot serve: %s", exc)
+            return EXIT_USAGE
     previous = {sig: signal.signal(sig, workers.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for index in range(config.workers):
@@ -199,9 +219,13 @@ def run_workers(config: ServerConfig) -> int:
             "event": "workers", "workers": config.workers, "port": port,
             "pids": [p.pid for p in workers.processes.values()],
             "threads": workers.configs[0].threads,
-            "metrics_ports": [c.metrics_port for c in workers.configs if c.metrics_port]}})
+            "metrics_port": config.metrics_port,
+            "worker_metrics_ports": [c.metrics_port for c in workers.configs if c.metrics_port]}})
         return workers.supervise()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if metrics is not None:
+            metrics.shutdown()
+            metrics.server_close()
         reservation.close()
