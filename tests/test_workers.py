@@ -244,3 +244,29 @@ def test_loadgen_counts_the_cpu_of_the_workers() -> None:
             pass
         parent.kill()
         parent.wait()
+
+
+def test_parent_scrape_merges_workers_and_marks_the_silent_one() -> None:
+    """The parent's collector: each worker's samples with a worker label, one family each;
+    a worker that does not answer is tfserve_worker_up 0 and does not fail the scrape."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tfserve.metrics import Metrics, WorkersCollector
+
+    live = Metrics()
+    live.requests.labels("Translate", "OK").inc(3)
+    port = live.serve_http(0, "127.0.0.1")
+    with socket.socket() as closed:  # a port that nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        silent = closed.getsockname()[1]
+    try:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(WorkersCollector([f"http://127.0.0.1:{port}/metrics",
+                                            f"http://127.0.0.1:{silent}/metrics"]))
+        text = generate_latest(registry).decode()
+    finally:
+        live.close()
+    assert 'tfserve_worker_up{worker="0"} 1.0' in text
+    assert 'tfserve_worker_up{worker="1"} 0.0' in text
+    assert 'tfserve_requests_total{code="OK",rpc="Translate",worker="0"} 3.0' in text
+    assert text.count("# TYPE tfserve_requests_total counter") == 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import urllib.request
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prometheus_client import (
@@ -110,19 +111,25 @@ class WorkersCollector:
         self.urls = list(urls)
         self.timeout = timeout
 
+    def _fetch(self, url: str) -> str | None:
+        try:
+            with urllib.request.urlopen(url, timeout=self.timeout) as response:
+                return str(response.read().decode())
+        except OSError:  # down or restarting
+            return None
+
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         up = GaugeMetricFamily("tfserve_worker_up", "Whether the worker answered this scrape",
                                labels=["worker"])
-        for index, url in enumerate(self.urls):
+        # all at once: a hung worker costs the scrape one timeout, not one per worker
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            texts = list(pool.map(self._fetch, self.urls))
+        for index, text in enumerate(texts):
             worker = str(index)
-            try:
-                with urllib.request.urlopen(url, timeout=self.timeout) as response:
-                    text = response.read().decode()
-            except OSError:
-                up.add_metric([worker], 0.0)
+            up.add_metric([worker], 0.0 if text is None else 1.0)
+            if text is None:
                 continue
-            up.add_metric([worker], 1.0)
             for family in text_string_to_metric_families(text):
                 merged = families.get(family.name)
                 if merged is None:
