@@ -135,10 +135,9 @@ def process_cpu_seconds(pid: int) -> float | None:
     fields = _proc_stat(pid)
     if fields is None:
         return None
-    ticks = int(fields[11]) + int(fields[12])  # utime, stime
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (child := _proc_stat(entry)) is not None and child[1] == str(pid):
-            ticks += int(child[11]) + int(child[12])  # child[1]: its parent's pid
+    children = [child for entry in os.listdir("/proc") if entry.isdigit()
+                and (child := _proc_stat(entry)) is not None and child[1] == str(pid)]  # ppid
+    ticks = sum(int(stat[11]) + int(stat[12]) for stat in [fields, *children])  # utime, stime
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
@@ -161,7 +160,8 @@ class _Plan:
 
 
 def _client_process(plan: _Plan, ready: Any, start: Any, results: Any) -> None:
-    """Closed-loop clients on one channel; puts (latencies, errors, texts, tokens, cpu, s)."""
+    """Closed-loop clients over plan.connections channels; puts (latencies, errors, texts,
+    tokens, cpu, s)."""
     # channels to one target share one connection unless each has a subchannel pool of its own
     options = [("grpc.use_local_subchannel_pool", 1)] if plan.connections > 1 else []
     channels = [grpc.insecure_channel(plan.target, options=options)

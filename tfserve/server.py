@@ -590,7 +590,6 @@ class TranslatorServer:
         # stopping (a started gRPC server outliving its event loop)
         if config.metrics_port:
             self.metrics_port = self.metrics.serve_http(config.metrics_port, config.host)
-        self.scheduler.start()
         options = [
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -617,8 +616,8 @@ class TranslatorServer:
             self.port = 0
         if self.port == 0:
             self.metrics.close()
-            self.scheduler.stop()
             raise RuntimeError(f"--port {config.port}: cannot listen on {address}")
+        self.scheduler.start()  # once the port is ours: nothing to stop if it is not
         await server.start()
         self._server = server
         for service in ("", SERVICE_NAME):

@@ -166,17 +166,17 @@ class _Workers:
                 process = self.processes[index]
                 process.join()
                 code = process.exitcode  # negative: killed by that signal
-                if self.signals:  # told to stop: this is the drain ending
-                    self.exit_codes[index] = code
-                    if code != 0 and not first_failure:
-                        first_failure = code if code and code > 0 else 1
-                elif self.may_restart(index):
+                stopping = bool(self.signals)  # told to stop: this is the drain ending
+                if self.may_restart(index):  # never once stopping
                     log.warning("worker %d (pid %d) exited with code %s; restarting it", index,
                                 process.pid, code)
                     self.start(index)
-                else:
-                    self.exit_codes[index] = code
-                    first_failure = first_failure or (code if code and code > 0 else 1)
+                    continue
+                self.exit_codes[index] = code
+                if (code != 0 or not stopping) and not first_failure:
+                    # a signal's death (negative) or an unasked clean exit count as 1
+                    first_failure = code if code and code > 0 else 1
+                if not stopping:
                     log.error("worker %d (pid %d) exited with code %s%s; stopping the others",
                               index, process.pid, code,
                               "" if self.serving[index].is_set() else " before serving")
