@@ -238,7 +238,12 @@ class DecodeBatch:
         return cached[2], cached[3]
 
     def step(self) -> list[tuple[Any, Search]]:
-        """Run one decoder step for every row; returns the members that finished."""
+        """Run one decoder step for every row; returns the members that finished.
+
+        A search that raises while it decides its tokens finishes too, with `search.error`
+        set: it fails alone, and the other rows' step goes on. An exception from here (the
+        backend's run, a cache copy) belongs to the whole batch.
+        """
         if not len(self):
             return []
         cross, encoder_attention_mask = self._cross_for_step()
@@ -277,13 +282,18 @@ class DecodeBatch:
                 retired.append(np.arange(row, row + rows))
                 row += rows
                 continue
-            if top is not None:
-                parents, new_tokens = search.advance_candidates(
-                    top[0][row : row + rows], top[1][row : row + rows])
-            else:
-                parents, new_tokens = search.advance(
-                    logits[row : row + rows], lse[row : row + rows],
-                    None if best is None else best[row : row + rows])
+            try:
+                if top is not None:
+                    parents, new_tokens = search.advance_candidates(
+                        top[0][row : row + rows], top[1][row : row + rows])
+                else:
+                    parents, new_tokens = search.advance(
+                        logits[row : row + rows], lse[row : row + rows],
+                        None if best is None else best[row : row + rows])
+            except Exception as exc:  # this search's own failure: it ends alone, with it
+                search.error = exc
+                search.done = True
+                parents, new_tokens = np.zeros(0, np.int64), np.zeros(0, np.int64)
             search.rows = len(parents)
             search.last_tokens = new_tokens
             if search.done:  # its rows stay, retired, until the next compaction
@@ -413,5 +423,7 @@ def generate(
     results: list[list[Hypothesis]] = [[] for _ in range(count)]
     while len(batch):
         for tag, search in batch.step():
+            if search.error is not None:
+                raise search.error
             results[tag] = search.results()
     return results

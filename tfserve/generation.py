@@ -126,6 +126,11 @@ class DecodingOptions:
     seed: int | None = None
 
     MAX_BEAMS = 16
+    # beyond these the scores over- or underflow (length ** length_penalty) or the tempered
+    # distribution is all one token or all noise; common settings sit well inside
+    MAX_ABS_LENGTH_PENALTY = 10.0
+    MIN_TEMPERATURE = 1e-4
+    MAX_TEMPERATURE = 100.0
 
     def validate(self, max_new_tokens_limit: int | None = None) -> DecodingOptions:
         """Raise ValueError naming the first option outside its limit.
@@ -156,14 +161,19 @@ class DecodingOptions:
             integer("num_return_sequences", 1, self.MAX_BEAMS)
         else:
             integer("num_return_sequences", 1, self.num_beams)
-        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0
-                and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if not (isinstance(self.temperature, (int, float)) and not isinstance(
+                self.temperature, bool)
+                and self.MIN_TEMPERATURE <= self.temperature <= self.MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be in [{self.MIN_TEMPERATURE}, "
+                             f"{self.MAX_TEMPERATURE}], got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        limit = self.MAX_ABS_LENGTH_PENALTY
         if not (isinstance(self.length_penalty, (int, float))
-                and math.isfinite(self.length_penalty)):
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+                and not isinstance(self.length_penalty, bool)
+                and -limit <= self.length_penalty <= limit):
+            raise ValueError(f"length_penalty must be in [{-limit}, {limit}], "
+                             f"got {self.length_penalty!r}")
         if self.seed is not None:
             integer("seed", 0, 2**63 - 1)
         return self
@@ -288,6 +298,8 @@ class Search:
         self.rows = 1
         self.last_tokens = np.array([start_token_id], dtype=np.int64)
         self.streamed: list[int] = []  # tokens appended by the last step, for streaming
+        # set by DecodeBatch.step when this search raised: it ended with this error, alone
+        self.error: BaseException | None = None
 
     def block_eos(self, logits: np.ndarray) -> np.ndarray:
         if self.generated < self.options.min_new_tokens:

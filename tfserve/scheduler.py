@@ -157,16 +157,17 @@ class Job:
 
     def __init__(self, kind: str, options: DecodingOptions | None, deadline: float | None,
                  on_event: Callable[[StreamEvent], None] | None = None,
-                 pooling: str = "mean", return_hidden_states: bool = False) -> None:
+                 pooling: str = "mean", return_hidden_states: bool = False,
+                 submitted: float | None = None) -> None:
         self.id = next(_job_ids)
         self.kind = kind
         self.options = options
-        self.deadline = deadline  # time.monotonic() seconds, or None
+        self.deadline = deadline  # the scheduler's clock (time.monotonic()) seconds, or None
         self.on_event = on_event
         self.pooling = pooling
         self.return_hidden_states = return_hidden_states
         self.future: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
-        self.submitted = time.monotonic()
+        self.submitted = time.monotonic() if submitted is None else submitted
         self.queue_seconds = 0.0  # longest wait of one of its inputs before the model
         self.generated_tokens = 0
         self.cancel_reason: str | None = None
@@ -235,13 +236,16 @@ class Scheduler:
     """Queue + worker thread over one Backend. Thread-safe `submit_*`; `start` / `stop`.
 
     `test_hook(stage)`, when set, is called on the worker before every model run with stage
-    "encode", "embed" or "step"; raising from it simulates a failed run, sleeping in it slows
-    the model down (tests).
+    "encode", "embed" or "step"; raising from it simulates a failed run, blocking in it holds
+    the model (tests). `clock` is time.monotonic, or a test's clock: deadlines, waits and
+    queue times are read from it.
     """
 
     def __init__(self, backend: Backend, config: SchedulerConfig | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.backend = backend
+        self.clock = clock
         self.config = (config or SchedulerConfig()).validate()
         self.metrics = metrics or Metrics()
         self.stats = SchedulerStats()
@@ -257,7 +261,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         # for the wait for company (_gather_deadline)
         self._step_seconds = 0.0  # running mean of recent decoder steps
-        # (time.monotonic(), rows) of translate requests that succeeded, oldest first: their
+        # (clock time, rows) of translate requests that succeeded, oldest first: their
         # clients' next requests may be on the way; admitted rows use them up, oldest first.
         # Worker thread only (no lock).
         self._freed: deque[tuple[float, int]] = deque(maxlen=1024)
@@ -318,7 +322,7 @@ class Scheduler:
             field_name = "num_beams" if options.num_beams >= max_rows else "num_return_sequences"
             raise ValueError(f"{field_name} is {max_rows}, over the server's max batch size of "
                              f"{self.config.max_batch_size}")
-        job = Job("translate", options, deadline, on_event)
+        job = Job("translate", options, deadline, on_event, submitted=self.clock())
         items = [_Item(job, index, list(source), max_rows) for index, source in enumerate(sources)]
         self._enqueue(job, items, self._translate_queue)
         return job
@@ -330,7 +334,7 @@ class Scheduler:
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         job = Job("encode", None, deadline, pooling=pooling,
-                  return_hidden_states=return_hidden_states)
+                  return_hidden_states=return_hidden_states, submitted=self.clock())
         items = [_Item(job, index, list(source)) for index, source in enumerate(sources)]
         self._enqueue(job, items, self._encode_queue)
         return job
@@ -363,8 +367,6 @@ class Scheduler:
 
     def _run(self) -> None:
         while True:
-            # rows of cancelled / expired requests leave first, so admission can reuse them
-            self._drop_finished_rows()
             with self._cond:
                 while True:
                     if self._stopping:
@@ -379,22 +381,37 @@ class Scheduler:
                         self._cond.wait(wait)
                     else:
                         self._cond.wait()
+            self.run_once()
+
+    def run_once(self) -> None:
+        """One pass of the worker loop, without waiting: drop the rows of finished requests,
+        take what may start now, encode and join it, run one decoder step. The worker thread
+        calls it; a test without the thread drives the scheduler step by step with it.
+
+        Whatever fails in it fails the requests it was working on, never the worker, and
+        every request it took ends with an answer or an error.
+        """
+        translate_items: list[_Item] = []
+        encode_items: list[_Item] = []
+        try:
+            # rows of cancelled / expired requests leave first, so admission can reuse them
+            self._drop_finished_rows()
+            with self._cond:
                 translate_items, encode_items, mode = self._take()
-            try:
-                self._iteration(translate_items, encode_items, mode)
-            except Exception as exc:  # a bug, not a model failure: keep the worker alive
-                log.exception("scheduler iteration failed")
-                pending = {item.job for item in self._ahead_items()}
-                self._ahead = []
-                self._fail_batch("iteration", exc,
-                                 {item.job for item in translate_items + encode_items} | pending)
+            self._iteration(translate_items, encode_items, mode)
+        except Exception as exc:  # a bug or a failed cache copy: keep the worker alive
+            log.exception("scheduler iteration failed")
+            pending = {item.job for item in self._ahead_items()}
+            self._ahead = []
+            self._fail_batch("iteration", exc,
+                             {item.job for item in translate_items + encode_items} | pending)
 
     def _batching_wait(self) -> float:
         """Seconds the idle worker waits for more work before starting a batch (<= 0: now)."""
         if self._encode_queue:
             return 0.0  # an Encode request never waits for translation company
-        deadline = self._gather_deadline(time.monotonic(), self._reserved_rows())
-        return 0.0 if deadline is None else deadline - time.monotonic()
+        deadline = self._gather_deadline(self.clock(), self._reserved_rows())
+        return 0.0 if deadline is None else deadline - self.clock()
 
     def _reserved_rows(self) -> int:
         """Rows the running batch's members and the encoded items waiting to join it may
@@ -405,7 +422,7 @@ class Scheduler:
     def _ahead_items(self, live: bool = False) -> list[_Item]:
         """The translate items encoded ahead, waiting to join (live: not cancelled, failed or
         expired; such rows reserve nothing while they wait to be dropped)."""
-        now = time.monotonic()
+        now = self.clock()
         return [item for group in self._ahead for item in group.tags
                 if not live or item.finished_reason(now) is None]
 
@@ -428,7 +445,7 @@ class Scheduler:
             return False
         reserved = self._reserved_rows()
         return (reserved + queue[0].max_rows <= self.config.max_batch_size
-                and self._gather_deadline(time.monotonic(), reserved) is not None)
+                and self._gather_deadline(self.clock(), reserved) is not None)
 
     def _gather_deadline(self, now: float, reserved: int) -> float | None:
         """Until when queued translate requests wait for company before they are encoded and
@@ -487,7 +504,7 @@ class Scheduler:
         """
         if not (self._translate_queue or self._encode_queue or self._ahead):
             return [], [], "join"  # mid-decoding with nothing queued: most iterations
-        now = time.monotonic()
+        now = self.clock()
         for queue in (self._translate_queue, self._encode_queue):
             if any(item.job.done or item.job.expired(now) for item in queue):
                 kept = []
@@ -570,27 +587,36 @@ class Scheduler:
             self.test_hook(stage)
 
     def _run_encode(self, items: list[_Item]) -> None:
-        now = time.monotonic()
+        now = self.clock()
         live = [item for item in items if item.finished_reason(now) is None]
         for chunk in self._chunks(live):
-            input_ids, attention_mask = self._pad(chunk)
-            try:
-                self._model_call("embed")
-                hidden = encoder_hidden_states(self.backend, input_ids, attention_mask)
-            except Exception as exc:
-                self._model_failed("embed", exc, {item.job for item in chunk})
-                continue
-            self.stats.encoder_runs += 1
-            self.metrics.encoder_batch_rows.observe(len(chunk))
-            for row, item in enumerate(chunk):
-                length = len(item.source)
-                job = item.job
-                # pool one row at a time: rows of a chunk may come from requests with
-                # different pooling
-                embedding = pool(hidden[row : row + 1], attention_mask[row : row + 1],
-                                 job.pooling)[0]
-                states = hidden[row, :length].copy() if job.return_hidden_states else None
-                self._item_done(item, Encoded(item.source, embedding, states))
+            self._embed_chunk(chunk)
+
+    def _embed_chunk(self, chunk: list[_Item]) -> None:
+        """One encoder run for Encode requests; a failed run is tried again input by input,
+        as in _encode_chunk."""
+        input_ids, attention_mask = self._pad(chunk)
+        try:
+            self._model_call("embed")
+            hidden = encoder_hidden_states(self.backend, input_ids, attention_mask)
+        except Exception as exc:
+            if len(chunk) > 1:
+                for item in chunk:
+                    self._embed_chunk([item])
+            else:
+                self._model_failed("embed", exc, {chunk[0].job})
+            return
+        self.stats.encoder_runs += 1
+        self.metrics.encoder_batch_rows.observe(len(chunk))
+        for row, item in enumerate(chunk):
+            length = len(item.source)
+            job = item.job
+            # pool one row at a time: rows of a chunk may come from requests with
+            # different pooling
+            embedding = pool(hidden[row : row + 1], attention_mask[row : row + 1],
+                             job.pooling)[0]
+            states = hidden[row, :length].copy() if job.return_hidden_states else None
+            self._item_done(item, Encoded(item.source, embedding, states))
 
     def _admit(self, items: list[_Item]) -> None:
         """Encode new translate items and join them, and those encoded ahead, to the running
@@ -609,34 +635,38 @@ class Scheduler:
     def _encode_items(self, items: list[_Item]) -> list[Joining]:
         """Run the encoder over translate items (length-sorted chunks); returns what joins
         the decoder batch. A failed chunk fails only its own requests."""
-        now = time.monotonic()
+        now = self.clock()
         live = [item for item in items if item.finished_reason(now) is None]
+        return [group for chunk in self._chunks(live) for group in self._encode_chunk(chunk)]
+
+    def _encode_chunk(self, chunk: list[_Item]) -> list[Joining]:
+        """One encoder run; when it fails, each input is tried alone, so that an input the
+        model cannot take fails its own request and not the others of its chunk."""
         backend = self.backend
-        groups = []
-        for chunk in self._chunks(live):
-            input_ids, attention_mask = self._pad(chunk)
-            try:
-                self._model_call("encode")
-                _, cross = backend.encode(input_ids, attention_mask)
-            except Exception as exc:  # only this chunk's requests fail
-                self._model_failed("encode", exc, {item.job for item in chunk})
-                continue
-            self.stats.encoder_runs += 1
-            self.metrics.encoder_batch_rows.observe(len(chunk))
-            searches = []
-            for item in chunk:
-                assert item.job.options is not None
-                searches.append(make_search(item.job.options, backend.eos_token_id,
-                                            backend.decoder_start_token_id))
-            groups.append(Joining(searches, chunk, cross, attention_mask))
-        return groups
+        input_ids, attention_mask = self._pad(chunk)
+        try:
+            self._model_call("encode")
+            _, cross = backend.encode(input_ids, attention_mask)
+        except Exception as exc:
+            if len(chunk) > 1:
+                return [group for item in chunk for group in self._encode_chunk([item])]
+            self._model_failed("encode", exc, {chunk[0].job})
+            return []
+        self.stats.encoder_runs += 1
+        self.metrics.encoder_batch_rows.observe(len(chunk))
+        searches = []
+        for item in chunk:
+            assert item.job.options is not None
+            searches.append(make_search(item.job.options, backend.eos_token_id,
+                                        backend.decoder_start_token_id))
+        return [Joining(searches, chunk, cross, attention_mask)]
 
     def _drop_finished_rows(self) -> None:
         """Remove the rows of cancelled, expired and failed requests before the next step (and
         those encoded ahead)."""
         if self._ahead:
             self._drop_finished_ahead()
-        now = time.monotonic()
+        now = self.clock()
         reasons: dict[_Item, str] = {}
         for member in self._batch.members:
             reason = member.tag.finished_reason(now)
@@ -665,7 +695,7 @@ class Scheduler:
     def _drop_finished_ahead(self) -> None:
         """Drop the cancelled, expired and failed items among those encoded ahead (worker
         thread), so that they neither join the batch nor keep its rows reserved."""
-        now = time.monotonic()
+        now = self.clock()
         kept = []
         for group in self._ahead:
             reasons = [item.finished_reason(now) for item in group.tags]
@@ -701,7 +731,13 @@ class Scheduler:
             self._model_call("step")
             finished = batch.step()
         except Exception as exc:
-            self._fail_batch("step", exc)
+            # searches that finished before the failure have their answers: deliver them;
+            # the batch's run failed for the others
+            for member in members:
+                search = member.search
+                if search.done and search.error is None:
+                    self._item_done(member.tag, search.results())
+            self._fail_batch("step", exc, {member.tag.job for member in members})
             return
         elapsed = time.perf_counter() - started
         # a short memory: step times change with the batch's rows and cache length
@@ -716,13 +752,26 @@ class Scheduler:
         for member in members:
             item = member.tag
             search = done.get(id(item))
-            if item.job.on_event is not None and not item.job.done:
-                streamed = [int(t) for t in member.search.streamed]
-                hypotheses = search.results() if search is not None else None
-                if streamed or hypotheses is not None:
-                    self._emit(item, StreamEvent(item.index, streamed, hypotheses))
-            if search is not None:
-                self._item_done(item, search.results())
+            try:
+                if search is not None and search.error is not None:
+                    self._search_failed(item, search.error)
+                    continue
+                if item.job.on_event is not None and not item.job.done:
+                    streamed = [int(t) for t in member.search.streamed]
+                    hypotheses = search.results() if search is not None else None
+                    if streamed or hypotheses is not None:
+                        self._emit(item, StreamEvent(item.index, streamed, hypotheses))
+                if search is not None:
+                    self._item_done(item, search.results())
+            except Exception as exc:  # this request's own bookkeeping: it alone fails
+                self._search_failed(item, exc)
+
+    def _search_failed(self, item: _Item, exc: BaseException) -> None:
+        """One search failed on its own (not the batch's run): only its request fails."""
+        log.error("search failed for one request: %s", exc, exc_info=exc)
+        self.stats.model_errors += 1
+        self.metrics.model_errors.labels("search").inc()
+        item.job._fail(ModelError(f"decoding failed: {type(exc).__name__}: {exc}"))
 
     def _emit(self, item: _Item, event: StreamEvent) -> None:
         assert item.job.on_event is not None
@@ -746,7 +795,7 @@ class Scheduler:
             if job.kind == "translate":
                 # the client may send its next request now: expect its rows back (every
                 # input of a job reserves the same rows)
-                self._freed.append((time.monotonic(), len(job.results) * item.max_rows))
+                self._freed.append((self.clock(), len(job.results) * item.max_rows))
 
     def _model_failed(self, stage: str, exc: BaseException, jobs: set[Job]) -> None:
         log.error("model run failed (%s) for %d request(s): %s", stage, len(jobs), exc,

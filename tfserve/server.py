@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf import message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -56,6 +57,8 @@ from tfserve.version import __version__
 pb2, pb2_grpc = load_stubs()
 SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["Translator"].full_name  # tfserve.v1.Translator
 REQUEST_ID_KEY = "x-request-id"
+MAX_REQUEST_ID_CHARS = 128  # echoed in metadata and logs: short, printable ASCII only
+INLINE_TOKENIZE_CHARS = 4096  # larger requests are tokenized on a thread, off the event loop
 EXIT_USAGE = 2
 
 log = logging.getLogger("tfserve.server")
@@ -84,11 +87,60 @@ class Draining(Unavailable):
     """The server is shutting down."""
 
 
+class ResponseTooLarge(Exception):
+    """The answer is larger than --max-message-bytes (RESOURCE_EXHAUSTED, like grpc's own)."""
+
+
+def shown(value: str, limit: int = 40) -> str:
+    """A client's string for an error message or a log: repr, cut to `limit` characters."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def check_request_id(value: str) -> str:
+    """The request id as given, or InvalidArgument: it is echoed in response metadata, which
+    takes printable ASCII only, and in every log line, so it is short."""
+    if len(value) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id is {len(value)} characters, over the limit of "
+                              f"{MAX_REQUEST_ID_CHARS}")
+    if not all(" " <= char <= "~" for char in value):
+        raise InvalidArgument(f"request_id {shown(value)} must be printable ASCII "
+                              "(no control characters, no non-ASCII)")
+    return value
+
+
+class Malformed:
+    """Stands for a request message that did not parse, so that the call is answered
+    INVALID_ARGUMENT through the usual path (logged, counted) instead of grpc's UNKNOWN."""
+
+    def __init__(self, message_name: str, error: BaseException) -> None:
+        self.message_name = message_name
+        self.error = error
+
+    def invalid(self) -> InvalidArgument:
+        return InvalidArgument(f"the request is not a valid {self.message_name} message "
+                               f"({type(self.error).__name__}: {str(self.error)[:200]})")
+
+
+def lenient_parser(message_class: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that returns Malformed instead of raising."""
+    name = message_class.DESCRIPTOR.full_name
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except Exception as exc:  # DecodeError, invalid UTF-8 in a string field, ...
+            return Malformed(name, exc)
+
+    return parse
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one place that maps an exception to a gRPC status and its details."""
     if isinstance(exc, InvalidArgument):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, QueueFull):
+    if isinstance(exc, (QueueFull, ResponseTooLarge)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, Unavailable):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
@@ -116,8 +168,19 @@ class _Call:
         self.started = time.perf_counter()
         self.job: Job | None = None
         self.texts = 0
-        self.request_id = getattr(request, "request_id", "") or (
-            dict(context.invocation_metadata() or ()).get(REQUEST_ID_KEY) or uuid.uuid4().hex)
+        # read now: once the call has ended (a cancelled stream), grpc's context must not be
+        # asked for anything (context.peer() then crashed the process)
+        self.peer = context.peer()
+        self.invalid: InvalidArgument | None = (
+            request.invalid() if isinstance(request, Malformed) else None)
+        given = getattr(request, "request_id", "") or (
+            dict(context.invocation_metadata() or ()).get(REQUEST_ID_KEY) or "")
+        self.request_id = uuid.uuid4().hex
+        if given:
+            try:
+                self.request_id = check_request_id(str(given))
+            except InvalidArgument as exc:
+                self.invalid = self.invalid or exc
         self.metadata_sent = False
         remaining = context.time_remaining()
         # None (or, in some grpc versions, a huge value) when the client set no deadline
@@ -128,6 +191,19 @@ class _Call:
         self.server._call_started()
         if self.server.draining:
             raise Draining("the server is shutting down; retry on another replica")
+        if self.invalid is not None:
+            raise self.invalid
+
+    def check_size(self, message: Any) -> Any:
+        """The message, or ResponseTooLarge when grpc would refuse to send it: then the
+        failure is logged and counted as what the client sees."""
+        limit = self.server.config.max_message_bytes
+        size = message.ByteSize()
+        if size > limit:
+            raise ResponseTooLarge(f"the response is {size} bytes, over the server's "
+                                   f"--max-message-bytes of {limit}; ask for fewer texts or "
+                                   "without hidden states")
+        return message
 
     async def send_metadata(self) -> None:
         """Echo the request id in the response metadata (once).
@@ -163,13 +239,12 @@ class _Call:
         return await waiter
 
     def expired(self) -> bool:
-        """Whether the client's deadline has passed (grpc cancels the RPC right at it)."""
-        if self.deadline is None:
-            return False
-        remaining = self.context.time_remaining()
-        # our deadline was taken a moment after grpc's own: allow for the difference
-        return (remaining is not None and remaining <= 0.0) or (
-            time.monotonic() >= self.deadline - 0.05)
+        """Whether the client's deadline has passed (grpc cancels the RPC right at it).
+
+        From our own copy of the deadline: the call may be over, and grpc's context must not
+        be used then. Ours was taken a moment after grpc's own: allow for the difference.
+        """
+        return self.deadline is not None and time.monotonic() >= self.deadline - 0.05
 
     async def fail(self, exc: BaseException) -> NoReturn:
         """Record the failure, then abort with its status (or re-raise a cancellation)."""
@@ -205,7 +280,7 @@ class _Call:
             "tokens": self.job.generated_tokens if self.job else 0,
             "queue_ms": round(self.job.queue_seconds * 1000, 3) if self.job else 0.0,
             "total_ms": round(elapsed * 1000, 3),
-            "peer": self.context.peer(),
+            "peer": self.peer,
         }
         if details and code != grpc.StatusCode.OK:
             record["error"] = details
@@ -298,16 +373,24 @@ class _TextDelta:
 
     SentencePiece text is decoded from the whole token prefix each time (a piece's leading
     '▁' becomes a space only after another piece), and a trailing U+FFFD (a byte-fallback
-    character not yet complete) is held back until the next token completes it.
+    character not yet complete) is held back until the next token completes it. Tokens that
+    add no text yet wait in `unsent` and go out with the next chunk that has text.
     """
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
         self.decode = decode
         self.tokens: list[int] = []
+        self.unsent: list[int] = []
         self.text = ""
+
+    def take_unsent(self) -> list[int]:
+        """The tokens pushed since the last chunk (they go out with the next one)."""
+        tokens, self.unsent = self.unsent, []
+        return tokens
 
     def push(self, token_ids: list[int]) -> str:
         self.tokens.extend(token_ids)
+        self.unsent.extend(token_ids)
         full = self.decode(self.tokens)
         if full.endswith("\ufffd") or not full.startswith(self.text):
             return ""
@@ -343,7 +426,7 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
 
     # -- input ------------------------------------------------------------------------------
 
-    def _sources(self, request: Any, call: _Call) -> list[list[int]]:
+    async def _sources(self, request: Any, call: _Call) -> list[list[int]]:
         """Token ids per input from texts or token_ids, with the shared checks."""
         limit = self.config.max_texts_per_request
         if len(request.texts) and len(request.token_ids):
@@ -352,10 +435,17 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
             call.texts = len(request.token_ids)
             return self._token_sources(request.token_ids, request.truncate, limit)
         call.texts = len(request.texts)
+        return await self._tokenize(list(request.texts), request.truncate)
+
+    async def _tokenize(self, texts: list[str], truncate: bool) -> list[list[int]]:
+        """check_texts + tokenize_sources; large requests are tokenized off the event loop,
+        so that they do not stall every other call."""
         with field_errors():
-            texts = check_texts(list(request.texts), max_texts=limit)
-            return tokenize_sources(self.tokenizer, texts, self.max_source_tokens,
-                                    request.truncate)
+            texts = check_texts(texts, max_texts=self.config.max_texts_per_request)
+            args = (self.tokenizer, texts, self.max_source_tokens, truncate)
+            if sum(len(text) for text in texts) <= INLINE_TOKENIZE_CHARS:
+                return tokenize_sources(*args)
+            return await asyncio.to_thread(tokenize_sources, *args)
 
     def _token_sources(self, sequences: Sequence[Any], truncate: bool,
                        limit: int) -> list[list[int]]:
@@ -388,9 +478,9 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
             options = decoding_options_from_proto(message, self.config.default_max_new_tokens)
             return options.validate(max_new_tokens_limit=self.scheduler.max_new_tokens_limit)
 
-    def _submit_translate(self, request: Any, call: _Call,
-                          on_event: Callable[[StreamEvent], None] | None = None) -> Job:
-        sources = self._sources(request, call)
+    async def _submit_translate(self, request: Any, call: _Call,
+                                on_event: Callable[[StreamEvent], None] | None = None) -> Job:
+        sources = await self._sources(request, call)
         options = self._options(request.options)
         with field_errors("options."):
             return self.scheduler.submit_translate(sources, options, deadline=call.deadline,
@@ -407,11 +497,11 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
     @unary("Translate")
     async def Translate(self, request: Any, context: grpc.aio.ServicerContext,
                         call: _Call) -> Any:
-        results = await call.wait(self._submit_translate(request, call))
-        return pb2.TranslateResponse(
+        results = await call.wait(await self._submit_translate(request, call))
+        return call.check_size(pb2.TranslateResponse(
             request_id=call.request_id,
             translations=[pb2.Translation(hypotheses=[self._hypothesis(h) for h in hyps])
-                          for hyps in results])
+                          for hyps in results]))
 
     @streaming("TranslateStream")
     async def TranslateStream(self, request: Any, context: grpc.aio.ServicerContext,
@@ -422,7 +512,7 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
         def on_event(event: StreamEvent) -> None:  # worker thread: hand off only
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        job = self._submit_translate(request, call, on_event)
+        job = await self._submit_translate(request, call, on_event)
         call.job = job
         await call.send_metadata()
         # the job's end (success or failure) arrives after its last event: both go through
@@ -435,9 +525,11 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
                 break
             delta = deltas.setdefault(event.index, _TextDelta(self.tokenizer.decode))
             if not event.done:
-                yield pb2.TranslateStreamResponse(index=event.index, request_id=call.request_id,
-                                                  text_delta=delta.push(event.token_ids),
-                                                  token_ids=event.token_ids)
+                text = delta.push(event.token_ids)
+                if text:  # a chunk only when there is text (the tokens ride along with it)
+                    yield call.check_size(pb2.TranslateStreamResponse(
+                        index=event.index, request_id=call.request_id, text_delta=text,
+                        token_ids=delta.take_unsent()))
                 continue
             assert event.hypotheses is not None
             head = delta.push(event.token_ids)  # the last step's token, when it was not eos
@@ -446,11 +538,11 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
             new_tokens, rest = delta.finish(best, best_text)
             chunk = pb2.TranslateStreamResponse(
                 index=event.index, request_id=call.request_id, done=True,
-                text_delta=head + rest, token_ids=event.token_ids + new_tokens,
+                text_delta=head + rest, token_ids=delta.take_unsent() + new_tokens,
                 final=self._hypothesis(best, best_text))
             if len(event.hypotheses) > 1:
                 chunk.hypotheses.extend(self._hypothesis(h) for h in event.hypotheses)
-            yield chunk
+            yield call.check_size(chunk)
         await call.wait(job)  # raises the job's error, if it failed
 
     @unary("Encode")
@@ -459,11 +551,9 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
         pooling = request.pooling or "mean"
         if pooling not in POOLINGS:
             raise InvalidArgument(f"pooling must be one of {', '.join(POOLINGS)}, "
-                                  f"got {pooling!r}")
+                                  f"got {shown(pooling)}")
+        sources = await self._tokenize(list(request.texts), request.truncate)
         with field_errors():
-            texts = check_texts(list(request.texts), max_texts=self.config.max_texts_per_request)
-            sources = tokenize_sources(self.tokenizer, texts, self.max_source_tokens,
-                                       request.truncate)
             job = self.scheduler.submit_encode(sources, pooling, request.return_hidden_states,
                                                deadline=call.deadline)
         results = await call.wait(job)
@@ -476,12 +566,31 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
             if encoded.hidden_states is not None:
                 message.hidden_states.extend(encoded.hidden_states.ravel().tolist())  # [len*D]
             embeddings.append(message)
-        return pb2.EncodeResponse(embeddings=embeddings, request_id=call.request_id)
+        return call.check_size(pb2.EncodeResponse(embeddings=embeddings,
+                                                  request_id=call.request_id))
 
     @unary("GetModelInfo")
     async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext,
                            call: _Call) -> Any:
         return self.server.model_info()
+
+
+def add_translator_service(service: TranslatorService, server: grpc.aio.Server) -> None:
+    """Register the service as the generated add_TranslatorServicer_to_server does, but with
+    lenient request parsers (Malformed instead of grpc's UNKNOWN for a message that does not
+    parse)."""
+    descriptor = pb2.DESCRIPTOR.services_by_name["Translator"]
+    handlers = {}
+    for method in descriptor.methods:
+        request_class = message_factory.GetMessageClass(method.input_type)
+        response_class = message_factory.GetMessageClass(method.output_type)
+        make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = make(getattr(service, method.name),
+                                     request_deserializer=lenient_parser(request_class),
+                                     response_serializer=response_class.SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
 
 
 # -- auth -----------------------------------------------------------------------------------
@@ -599,7 +708,7 @@ class TranslatorServer:
         ]
         interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
         server = grpc.aio.server(options=options, interceptors=interceptors)
-        pb2_grpc.add_TranslatorServicer_to_server(TranslatorService(self), server)
+        add_translator_service(TranslatorService(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

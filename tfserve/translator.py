@@ -24,6 +24,8 @@ from tfserve.tokenizer import Tokenizer
 
 POOLINGS = ("mean", "max", "first")
 DEFAULT_MAX_TEXTS = 256
+# longer than any tokenizer piece (SentencePiece's default limit is 16 characters)
+MAX_CHARS_PER_TOKEN = 64
 
 
 @dataclass
@@ -112,9 +114,21 @@ def check_texts(texts: Any, max_texts: int = DEFAULT_MAX_TEXTS) -> list[str]:
 
 def tokenize_sources(tokenizer: Tokenizer, texts: Sequence[str], max_source_tokens: int,
                      truncate: bool) -> list[list[int]]:
-    """Token ids per text; over-long texts are an error naming the text, or truncated."""
+    """Token ids per text; over-long texts are an error naming the text, or truncated.
+
+    A text of more than MAX_CHARS_PER_TOKEN characters per source token cannot fit, whatever
+    its pieces: it is refused (or cut) before the tokenizer sees it, so that a huge text
+    costs neither the tokenizer's time nor its memory.
+    """
+    char_limit = max_source_tokens * MAX_CHARS_PER_TOKEN
     sources = []
     for index, text in enumerate(texts):
+        if len(text) > char_limit:
+            if not truncate:
+                raise ValueError(f"texts[{index}] is {len(text)} characters, over the limit of "
+                                 f"{char_limit} ({MAX_CHARS_PER_TOKEN} per source token; "
+                                 "truncate=True cuts it)")
+            text = text[:char_limit]
         ids = tokenizer.encode(text)
         if len(ids) > max_source_tokens:
             if not truncate:
