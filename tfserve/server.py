@@ -611,15 +611,20 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(self.EXEMPT_PREFIX):
             return handler
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        given = metadata.get("authorization", "")
-        given_bytes = given.encode() if isinstance(given, str) else bytes(given)
-        if hmac.compare_digest(given_bytes, self.expected):
-            return handler
+        given = [value for key, value in handler_call_details.invocation_metadata or ()
+                 if key == "authorization"]
+        if len(given) == 1:
+            value = given[0]
+            given_bytes = value.encode() if isinstance(value, str) else bytes(value)
+            if hmac.compare_digest(given_bytes, self.expected):
+                return handler
+        # more than one header is refused whatever they hold: which one a proxy or a
+        # framework reads is not ours to guess
+        reason = ("more than one `authorization` metadata entry" if len(given) > 1
+                  else "missing or wrong bearer token in `authorization` metadata")
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or wrong bearer token in `authorization` metadata")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
         async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await deny(request, context)
