@@ -345,3 +345,130 @@ def _rss_bytes(pid: int) -> int:
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"),
                                 reason="reads process memory from /proc (Linux)")
+
+
+# -- start-up: flags and their limits ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-message-bytes", str(2**40), "--max-message-bytes must be in [1024, 2147483647]"),
+    ("--max-wait-ms", "inf", "--max-wait-ms must be in [0, 10000], got inf"),
+    ("--max-wait-ms", "nan", "--max-wait-ms must be in [0, 10000], got nan"),
+    ("--grace-seconds", "1e9", "--grace-seconds must be in [0, 3600]"),
+    ("--max-batch-size", "100000", "--max-batch-size must be in [1, 4096]"),
+    ("--max-concurrent-streams", "0", "--max-concurrent-streams must be in [1, 100000]"),
+    ("--max-connection-age-seconds", "-1", "--max-connection-age-seconds must be in [0, 86400]"),
+])
+def test_numeric_flags_are_bounded(flag: str, value: str, message: str) -> None:
+    from tfserve.settings import parse_config
+
+    with pytest.raises(SystemExit) as exited:
+        parse_config([flag, value], environ={})
+    assert exited.value.code == 2
+    with pytest.raises(ValueError, match=__import__("re").escape(message)):
+        from tfserve.settings import ServerConfig
+
+        ServerConfig(**{flag[2:].replace("-", "_"): float(value) if "." in value or value in (
+            "inf", "nan") else int(float(value))}).validate()
+
+
+def test_a_garbage_pem_is_named_at_start(tmp_path: Path, model: Path) -> None:
+    garbage = tmp_path / "cert.pem"
+    garbage.write_bytes(os.urandom(512))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfserve", "serve", *server_args(model), "--tls-cert",
+         str(garbage), "--tls-key", str(garbage)], cwd=ROOT, capture_output=True, text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert proc.returncode == 2
+    assert f"--tls-cert {garbage}: not a PEM file" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# -- security: limits on what clients hold, mutual TLS, metrics bind address ----------------------
+
+
+def test_connections_beyond_the_limit_are_refused(model: Path) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with ServerThread(server_args(model, "--max-connections", "2")) as limited:
+        channels = [grpc.insecure_channel(limited.target, options=[
+            ("grpc.use_local_subchannel_pool", 1)]) for _ in range(3)]
+        try:
+            codes = []
+            for channel in channels:  # each holds its connection open
+                try:
+                    health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                              timeout=10)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
+            assert codes == [grpc.StatusCode.OK, grpc.StatusCode.OK,
+                             grpc.StatusCode.UNAVAILABLE]
+        finally:
+            for channel in channels:
+                channel.close()
+
+
+def _certificates(directory: Path) -> dict[str, Path]:
+    """A CA, a server certificate for localhost and a client certificate, all from the CA."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+        "-keyout", "ca.key", "-out", "ca.pem")
+    for name, extension in (("server", "subjectAltName=DNS:localhost,IP:127.0.0.1"),
+                            ("client", "extendedKeyUsage=clientAuth")):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout",
+            f"{name}.key", "-out", f"{name}.csr")
+        (directory / f"{name}.ext").write_text(extension + "\n")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem")
+    return {name: directory / name for name in (
+        "ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+
+
+@pytest.mark.skipif(not __import__("shutil").which("openssl"), reason="needs the openssl tool")
+def test_mutual_tls_requires_a_client_certificate_from_the_ca(tmp_path: Path,
+                                                              model: Path) -> None:
+    files = _certificates(tmp_path)
+    args = server_args(model, "--tls-cert", str(files["server.pem"]), "--tls-key",
+                       str(files["server.key"]), "--tls-client-ca", str(files["ca.pem"]))
+    with ServerThread(args) as secure:
+        target = f"localhost:{secure.server.port}"
+        payload = pb2.TranslateRequest(texts=["seven"], options=pb2.DecodingOptions(
+            max_new_tokens=2)).SerializeToString()
+        ca = files["ca.pem"].read_bytes()
+        for credentials, expected in (
+            (grpc.ssl_channel_credentials(ca), grpc.StatusCode.UNAVAILABLE),
+            (grpc.ssl_channel_credentials(ca, files["client.key"].read_bytes(),
+                                          files["client.pem"].read_bytes()),
+             grpc.StatusCode.OK),
+        ):
+            with grpc.secure_channel(target, credentials) as channel:
+                call = channel.unary_unary(TRANSLATE)
+                try:
+                    call(payload, timeout=20)
+                    code = grpc.StatusCode.OK
+                except grpc.RpcError as exc:
+                    code = exc.code()
+            assert code == expected
+
+
+def test_metrics_bind_their_own_host_and_answer_only_on_metrics(model: Path) -> None:
+    import socket
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = ["--model", str(model), "--host", "0.0.0.0", "--port", "0", "--metrics-host",
+            "127.0.0.1", "--metrics-port", str(port), "--threads", "1", "--log-level", "warning"]
+    with ServerThread(args) as running:
+        assert running.server.metrics._http.server_address[0] == "127.0.0.1"
+        url = f"http://127.0.0.1:{running.server.metrics_port}"
+        assert b"tfserve_requests_total" in urllib.request.urlopen(f"{url}/metrics").read()
+        for path in ("/healthz", "/v2/health/ready", "/"):
+            with pytest.raises(urllib.error.HTTPError) as raised:
+                urllib.request.urlopen(url + path)
+            assert raised.value.code == 404

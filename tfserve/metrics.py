@@ -7,11 +7,14 @@ worker thread; prometheus_client's metrics are thread-safe.
 
 from __future__ import annotations
 
+import socket
 import threading
 import urllib.request
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,7 +22,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -94,13 +97,44 @@ class Metrics:
             self._http = None
 
 
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _ThreadingServer6(_ThreadingServer):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+        """Scrapes are not logged (one line per scrape on stderr otherwise)."""
+
+
+def metrics_only(app: Any) -> Any:
+    """The WSGI app answering /metrics, and 404 on any other path: an HTTP probe pointed at
+    this port by mistake (/healthz, /v2/health/ready) must fail, not read 200."""
+
+    def wrapped(environ: dict[str, Any], start_response: Any) -> Any:
+        if environ.get("PATH_INFO", "") not in ("/metrics", "/metrics/"):
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found: the metrics are at /metrics\n"]
+        return app(environ, start_response)
+
+    return wrapped
+
+
 def serve_registry(registry: Any, port: int, host: str) -> tuple[Any, threading.Thread]:
     """/metrics of `registry` on host:port; a busy port is an OSError naming --metrics-port."""
+    server_class = _ThreadingServer6 if ":" in host else _ThreadingServer
     try:
-        return start_http_server(port, addr=host, registry=registry)
+        server = make_server(host.strip("[]"), port, metrics_only(make_wsgi_app(registry)),
+                             server_class, handler_class=_QuietHandler)
     except OSError as exc:
         raise OSError(f"--metrics-port {port}: cannot listen on {host}:{port}: "
                       f"{exc.strerror or exc}") from None
+    thread = threading.Thread(target=server.serve_forever, name="tfserve-metrics", daemon=True)
+    thread.start()
+    return server, thread
 
 
 class WorkersCollector:

@@ -104,8 +104,8 @@ class SchedulerConfig:
         value = self.wave_wait_steps
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"wave_wait_steps must be an integer >= 0, got {value!r}")
-        if not self.max_wait_ms >= 0:
-            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms!r}")
+        if not 0 <= self.max_wait_ms <= 10_000:  # a finite wait: inf would hold arrivals
+            raise ValueError(f"max_wait_ms must be in [0, 10000], got {self.max_wait_ms!r}")
         return self
 
 

@@ -703,14 +703,24 @@ class TranslatorServer:
         # the metrics port first: a busy one then fails before anything runs that would need
         # stopping (a started gRPC server outliving its event loop)
         if config.metrics_port:
-            self.metrics_port = self.metrics.serve_http(config.metrics_port, config.host)
+            self.metrics_port = self.metrics.serve_http(config.metrics_port,
+                                                        config.metrics_bind_host())
         options = [
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
             # a second server on a busy port must fail, not silently share it; the workers of
             # one `--workers N` server share theirs (the parent checked that it was free)
             ("grpc.so_reuseport", 0 if self.worker is None else 1),
+            # bounds on what clients may hold open: calls per connection, connections
+            ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+            ("grpc.max_allowed_incoming_connections", config.max_connections),
         ]
+        if config.max_connection_age_seconds > 0:
+            # clients reconnect, and the kernel spreads them again over --workers
+            options += [
+                ("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(config.grace_seconds * 1000)),
+            ]
         interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
         server = grpc.aio.server(options=options, interceptors=interceptors)
         add_translator_service(TranslatorService(self), server)
@@ -721,8 +731,11 @@ class TranslatorServer:
             f"{config.host}:{config.port}")
         try:
             if config.tls_cert is not None and config.tls_key is not None:
+                client_ca = config.tls_client_ca
                 credentials = grpc.ssl_server_credentials(
-                    [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+                    [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
+                    root_certificates=client_ca.read_bytes() if client_ca else None,
+                    require_client_auth=client_ca is not None)
                 self.port = server.add_secure_port(address, credentials)
             else:
                 self.port = server.add_insecure_port(address)
@@ -740,7 +753,8 @@ class TranslatorServer:
             "event": "serving", "host": config.host, "port": self.port,
             **({} if self.worker is None else {"worker": self.worker, "pid": os.getpid()}),
             "metrics_port": self.metrics_port, "model": self.runtime.config.name,
-            "tls": config.tls_cert is not None, "auth": bool(config.auth_token),
+            "tls": config.tls_cert is not None, "mutual_tls": config.tls_client_ca is not None,
+            "auth": bool(config.auth_token),
             "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
             **self.runtime.describe()}})
 

@@ -7,6 +7,7 @@ defaults (a flag wins) and validates, so a bad value is one line on stderr and e
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -47,7 +48,15 @@ class ServerConfig:
     log_level: str = "info"
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    tls_client_ca: Path | None = None
     auth_token: str | None = None
+    metrics_host: str = ""  # "": the same address as --host
+    max_concurrent_streams: int = 100
+    max_connections: int = 1000
+    max_connection_age_seconds: float = 0.0  # 0: connections are never closed by age
+
+    def metrics_bind_host(self) -> str:
+        return self.metrics_host or self.host
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_batch_size=self.max_batch_size,
@@ -57,26 +66,23 @@ class ServerConfig:
                                encode_ahead=self.encode_ahead)
 
     def validate(self) -> ServerConfig:
-        for name in ("workers", "max_batch_size", "max_batch_tokens", "max_queue",
-                     "max_texts_per_request", "max_message_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("port", "metrics_port", "threads", "default_max_new_tokens",
-                     "wave_wait_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_wait_ms", "grace_seconds"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
-        for name in ("port", "metrics_port"):
-            if getattr(self, name) > 65535:
-                raise ValueError(f"--{_flag(name)} must be <= 65535, got {getattr(self, name)}")
+        for name, (low, high) in _LIMITS.items():
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value)
+                    and low <= value <= high):
+                raise ValueError(f"--{_flag(name)} must be in [{low}, {high}], got {value!r}")
         if self.metrics_port and self.workers > 1 and self.metrics_port + self.workers > 65535:
             raise ValueError(f"--metrics-port {self.metrics_port} with --workers {self.workers}: "
                              f"worker i serves metrics on metrics_port + 1 + i, which must be "
                              f"<= 65535")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS)")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path is not None:
+                _check_pem(f"--{_flag(name)}", Path(path))
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"--event-loop must be one of {', '.join(EVENT_LOOPS)}, "
                              f"got {self.event_loop!r}")
@@ -86,6 +92,39 @@ class ServerConfig:
             raise ValueError(f"--log-level must be debug, info, warning or error, "
                              f"got {self.log_level!r}")
         return self
+
+
+# every numeric setting and its range; a value outside is refused naming the flag
+_LIMITS: dict[str, tuple[float, float]] = {
+    "port": (0, 65535),
+    "metrics_port": (0, 65535),
+    "threads": (0, 1024),
+    "workers": (1, 256),
+    "max_batch_size": (1, 4096),
+    "max_batch_tokens": (1, 1 << 24),
+    "max_wait_ms": (0, 10_000),
+    "wave_wait_steps": (0, 10_000),
+    "max_queue": (1, 1_000_000),
+    "max_texts_per_request": (1, 100_000),
+    # grpc takes a signed 32-bit length
+    "max_message_bytes": (1024, 2**31 - 1),
+    "grace_seconds": (0, 3600),
+    "default_max_new_tokens": (0, 1_000_000),
+    "max_concurrent_streams": (1, 100_000),
+    "max_connections": (1, 1_000_000),
+    "max_connection_age_seconds": (0, 86_400),
+}
+
+
+def _check_pem(flag: str, path: Path) -> None:
+    """A readable PEM file, or ValueError naming the flag (grpc's own error is 'cannot
+    listen', which names neither the file nor the problem)."""
+    try:
+        head = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
+    if b"-----BEGIN " not in head:
+        raise ValueError(f"{flag} {path}: not a PEM file (no -----BEGIN line)")
 
 
 def _flag(name: str) -> str:
@@ -117,8 +156,8 @@ _HELP = {
                         "come back (closed-loop clients finishing together rejoin as one "
                         "batch); 0: never wait for them (open-loop traffic)"),
     "encode_ahead": ("while the idle worker waits for returning rows, encode them as they "
-                     "arrive (true/false; helps where the event loop has a core of its own: "
-                     "on 2 shared cores it measured 1% slower)"),
+                     "arrive (true/false; helps where the event loop has a core of its own, "
+                     "costs a little where the server and its event loop share few cores)"),
     "event_loop": ("the event loop the gRPC server runs on: uvloop, asyncio, or auto (uvloop "
                    "when installed)"),
     "max_queue": "requests that may wait for the model; more get RESOURCE_EXHAUSTED",
@@ -131,6 +170,15 @@ _HELP = {
     "log_level": "debug, info, warning or error",
     "tls_cert": "PEM certificate chain: serve TLS (needs --tls-key)",
     "tls_key": "PEM private key for --tls-cert",
+    "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mutual TLS; "
+                     "needs --tls-cert and --tls-key)",
+    "metrics_host": "address the metrics endpoint listens on (empty: --host), e.g. 127.0.0.1 "
+                    "to keep metrics private while gRPC listens outside",
+    "max_concurrent_streams": "concurrent calls per client connection (HTTP/2 streams)",
+    "max_connections": "client connections the server holds at once; more are refused",
+    "max_connection_age_seconds": ("close each client connection after this long (clients "
+                                   "reconnect and spread again over --workers and replicas; "
+                                   "calls in flight get --grace-seconds); 0: never"),
     "auth_token": "require `authorization: Bearer TOKEN` metadata (health is exempt); "
                   "prefer the env var to keep it out of `ps`",
 }
@@ -157,13 +205,14 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                 parser.error(f"{env}={environ[env]!r} is not a valid value for --{_flag(name)}")
         shown = "***" if name == "auth_token" and default else default
         parser.add_argument(f"--{_flag(name)}", dest=name, type=kind, default=default,
-                            help=f"{_HELP[name]} [env {env}] (default: {shown})")
+                            help=f"{_HELP[name]} [env {env}] (default: {shown})".replace(
+                                "%", "%%"))
     parser.formatter_class = argparse.HelpFormatter  # defaults are in the help text already
     return parser
 
 
 def _value_type(name: str, default: Any) -> Callable[[str], Any]:
-    if name in ("model", "tls_cert", "tls_key"):
+    if name in ("model", "tls_cert", "tls_key", "tls_client_ca"):
         return Path
     if isinstance(default, bool):
         return _boolean

@@ -205,8 +205,9 @@ def run_workers(config: ServerConfig) -> int:
     if config.metrics_port:
         try:
             metrics = serve_workers_metrics(
-                [metrics_url(config.host, c.metrics_port) for c in workers.configs],
-                config.metrics_port, config.host)
+                [metrics_url(config.metrics_bind_host(), c.metrics_port)
+                 for c in workers.configs],
+                config.metrics_port, config.metrics_bind_host())
         except OSError as exc:
             reservation.close()
             log.error("cannot serve: %s", exc)
