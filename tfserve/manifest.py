@@ -153,7 +153,22 @@ class Manifest:
             raise ManifestError(f"{path}: dtype must be fp32 or fp16, got {manifest.dtype!r}")
         graph_files = (manifest.encoder_file, manifest.decoder_file, manifest.encoder_data,
                        manifest.decoder_data)
+        root = directory.resolve()
         for name in (*graph_files, *manifest.tokenizer.files()):
-            if name and not (directory / name).is_file():
+            if not name:
+                continue
+            # confined to the artifacts directory, links included: a manifest must not make
+            # the server read (and report on) files elsewhere
+            if not (directory / name).resolve().is_relative_to(root):
+                raise ManifestError(f"{path} names {name!r}, which is outside {directory}")
+            if not (directory / name).is_file():
                 raise ManifestError(f"{path} names {name}, which is missing from {directory}")
+        vocab_size = manifest.config.vocab_size  # the model's own ids are checked by its config
+        spec = manifest.tokenizer
+        for field_name in ("pad_token_id", "eos_token_id", "unk_token_id",
+                           "decoder_start_token_id"):
+            value = getattr(spec, field_name, None)
+            if isinstance(value, int) and not 0 <= value < vocab_size:
+                raise ManifestError(f"{path}: tokenizer.{field_name} is {value}, outside the "
+                                    f"vocabulary [0, {vocab_size})")
         return manifest

@@ -97,7 +97,9 @@ def make_session(
     if shared_arena and kind == "cpu":
         share_cpu_arena()
         options.add_session_config_entry("session.use_env_allocators", "1")
-    options.log_severity_level = 3
+    # fatal only: every error of a run reaches the caller as an exception, which the server
+    # logs as one record (ONNX Runtime's own line on stderr would say it a second time)
+    options.log_severity_level = 4
     if kind == "cuda":
         available = ort.get_available_providers()
         if "CUDAExecutionProvider" not in available:
@@ -167,8 +169,8 @@ class Runtime:
         session_args = dict(device=device, intra_op_threads=intra_op_threads,
                             inter_op_threads=inter_op_threads, optimization=optimization,
                             allow_spinning=allow_spinning)
-        self.encoder = make_session(self.directory / self.manifest.encoder_file, **session_args)
-        self.decoder = make_session(self.directory / self.manifest.decoder_file, **session_args)
+        self.encoder = _load_graph(self.directory / self.manifest.encoder_file, session_args)
+        self.decoder = _load_graph(self.directory / self.manifest.decoder_file, session_args)
         self.float_dtype = np.float16 if self.manifest.dtype == "fp16" else np.float32
         self.encoder_inputs, self.encoder_outputs = encoder_io(cfg.decoder_layers)
         self.decoder_inputs, self.decoder_outputs = decoder_io(cfg.decoder_layers)
@@ -196,6 +198,36 @@ class Runtime:
 
             self.cache_ops = DeviceCacheOps(2 * self.layers, self.float_dtype, self.device_kind,
                                             self.device_index, self.decoder.get_providers())
+        self._check_against_graphs()
+
+    def _check_against_graphs(self) -> None:
+        """Run the graphs once at the manifest's limits: a manifest that claims more than its
+        graphs take (vocabulary, positions) is refused now, naming the field, instead of
+        failing requests later."""
+        manifest_file = self.directory / "model.json"
+        cfg = self.config
+        length = cfg.max_source_positions
+        input_ids = np.full((1, length), cfg.eos_token_id, np.int64)  # [1,S]
+        try:
+            _, cross = self.encode(input_ids, np.ones_like(input_ids))
+        except Exception as exc:
+            raise ValueError(f"{manifest_file}: the encoder graph cannot take "
+                             f"model.max_source_positions {length} tokens ({_first_line(exc)})"
+                             ) from None
+        last = cfg.max_target_positions - 1
+        try:
+            out = self.step(np.array([[cfg.decoder_start_token_id]], np.int64),  # [1,1]
+                            np.array([[last]], np.int64),  # [1,1]: the last position
+                            np.ones((1, 1), np.int64), np.ones((1, length), np.int64),
+                            self.empty_past(1), cross)
+        except Exception as exc:
+            raise ValueError(f"{manifest_file}: the decoder graph cannot take position {last} "
+                             f"(model.max_target_positions {cfg.max_target_positions}): "
+                             f"{_first_line(exc)}") from None
+        vocab = out.logits.shape[-1]  # [1,1,V]
+        if vocab != cfg.vocab_size:
+            raise ValueError(f"{manifest_file}: model.vocab_size is {cfg.vocab_size}, but the "
+                             f"decoder graph's logits have {vocab} entries")
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -413,6 +445,23 @@ def _place(out: np.ndarray, part: np.ndarray, left: bool, rows: np.ndarray | Non
 
 def _int64(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def _load_graph(path: Path, session_args: dict[str, Any]) -> ort.InferenceSession:
+    """make_session, with ONNX Runtime's load errors (empty, truncated or foreign files,
+    missing external data) as one ValueError naming the file."""
+    try:
+        return make_session(path, **session_args)
+    except RuntimeError as exc:
+        if "device 'cuda'" in str(exc):
+            raise  # the device's own message
+        raise ValueError(f"{path}: not a loadable ONNX graph ({_first_line(exc)})") from None
+    except Exception as exc:  # onnxruntime's own classes (InvalidProtobuf, Fail, ...)
+        raise ValueError(f"{path}: not a loadable ONNX graph ({_first_line(exc)})") from None
 
 
 def default_threads() -> int:
