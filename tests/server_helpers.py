@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -117,6 +116,15 @@ class ServerThread:
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coroutine_fn(), self._loop).result(timeout)
 
+    def wait_until(self, predicate: Callable[[], bool], timeout: float = 60.0) -> None:
+        """Wait for a state of the server (read on its event loop), checked after every turn of
+        the loop: no fixed sleeps."""
+        async def until() -> None:
+            while not predicate():
+                await asyncio.sleep(0)
+
+        self.run_on_loop(until, timeout)
+
     def stop(self) -> None:
         if self._loop is not None and self._stop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
@@ -139,6 +147,7 @@ class ServerProcess:
              "--log-format", "json"],
             cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
+        self._changed = threading.Condition()  # notified on every line read
         self.port = 0
         self.serving = 0  # 'serving' records so far: one per worker with --workers
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -147,20 +156,43 @@ class ServerProcess:
     def _read(self) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
-            self.lines.append(line)
             try:
                 record = json.loads(line)
             except ValueError:
-                continue
-            if record.get("event") == "serving":
-                self.port = int(record["port"])
-                self.serving += 1
+                record = {}
+            with self._changed:
+                self.lines.append(line)
+                if record.get("event") == "serving":
+                    self.port = int(record["port"])
+                    self.serving += 1
+                self._changed.notify_all()
+        with self._changed:
+            self.closed = True
+            self._changed.notify_all()
+
+    closed = False
+
+    def wait_for(self, predicate: Callable[[dict[str, Any]], bool],
+                 timeout: float = 60.0) -> dict[str, Any]:
+        """The first log record matching predicate, waiting for the lines as they come."""
+        seen = 0
+        with self._changed:
+            while True:
+                for line in self.lines[seen:]:
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue
+                    if predicate(record):
+                        return record
+                seen = len(self.lines)
+                if self.closed or not self._changed.wait(timeout):
+                    raise RuntimeError("no such log record:\n" + "".join(self.lines[-30:]))
 
     def wait_serving(self, timeout: float = 60.0, workers: int = 1) -> str:
-        deadline = time.monotonic() + timeout
-        while self.serving < workers:
-            time.sleep(0.05)
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.serving >= workers or self.closed,
+                                          timeout) or self.serving < workers:
                 raise RuntimeError("server did not start:\n" + "".join(self.lines[-30:]))
         return f"127.0.0.1:{self.port}"
 

@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -819,35 +820,69 @@ def test_event_loop_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_graceful_drain_on_sigterm(random_model: Path) -> None:
+    """SIGTERM to a serving process: health goes NOT_SERVING, new calls get UNAVAILABLE, the
+    calls it had received are answered in full, and it exits 0. The calls are known to be
+    received (each has streamed its first chunk) before the signal is sent; whether they are
+    still decoding then is shown by the drain test below, whose hook holds the model."""
     process = ServerProcess(server_args(random_model, "--max-batch-size", "2",
                                         "--grace-seconds", "30"))
     try:
         target = process.wait_serving()
         with Client(target, timeout=60) as client:
             long = dict(max_new_tokens=120, min_new_tokens=120)
-            with ThreadPoolExecutor(4) as pool:
-                # 4 requests x 6 inputs x 120 steps through 2 rows: a few seconds of work
-                in_flight = [pool.submit(client.translate_hypotheses, TEXTS[i : i + 6], **long)
-                             for i in range(4)]
-                time.sleep(0.3)
-                assert not any(f.done() for f in in_flight), "requests finished too early"
-                process.proc.send_signal(signal.SIGTERM)
-                deadline = time.monotonic() + 10
-                while client.health() != "NOT_SERVING":
-                    assert time.monotonic() < deadline
-                    time.sleep(0.02)
-                with pytest.raises(ServerError) as rejected:
-                    client.translate(["seven"], max_new_tokens=2)
-                assert rejected.value.code() == grpc.StatusCode.UNAVAILABLE
-                answers = [f.result(60) for f in in_flight]
-        assert all(len(h[0].token_ids) == 120 for a in answers for h in a)
+            streams = [client.translate_stream(TEXTS[i : i + 6], **long) for i in range(4)]
+            chunks = [[next(stream)] for stream in streams]  # each call is in the server
+            process.proc.send_signal(signal.SIGTERM)
+            process.wait_for(lambda record: record.get("event") == "draining")
+            assert client.health() == "NOT_SERVING"
+            with pytest.raises(ServerError) as rejected:
+                client.translate(["seven"], max_new_tokens=2)
+            assert rejected.value.code() == grpc.StatusCode.UNAVAILABLE
+            for stream, received in zip(streams, chunks, strict=True):
+                received.extend(stream)
+        for i, received in enumerate(chunks):
+            finals = [chunk.final for chunk in received if chunk.done]
+            assert len(finals) == len(TEXTS[i : i + 6])
+            assert all(len(f.token_ids) == 120 for f in finals)
         assert process.proc.wait(30) == 0
         records = process.records()
         assert [r for r in records if r.get("event") == "stopped"]
-        statuses = [r.get("status") for r in records if r.get("rpc") == "Translate"]
-        assert statuses.count("OK") == 4 and "UNAVAILABLE" in statuses
+        statuses = [r.get("status") for r in records if r.get("rpc") == "TranslateStream"]
+        assert statuses == ["OK"] * 4
+        assert "UNAVAILABLE" in [r.get("status") for r in records if r.get("rpc") == "Translate"]
     finally:
         process.kill()
+
+
+def test_drain_finishes_the_calls_in_flight(random_model: Path, random_runtime: Any) -> None:
+    """The model is held (a hook blocks the worker) while the drain starts: the calls are
+    provably in flight, and the drain waits for them and answers them in full."""
+    release = threading.Event()
+    stepping = threading.Event()
+
+    def hold(stage: str) -> None:
+        if stage == "step":
+            stepping.set()
+            release.wait(60)
+
+    with ServerThread(server_args(random_model, "--max-batch-size", "4"),
+                      runtime=random_runtime) as running:
+        running.scheduler.test_hook = hold
+        with Client(running.target, timeout=60) as client, ThreadPoolExecutor(4) as pool:
+            long = dict(max_new_tokens=20, min_new_tokens=20)
+            calls = [pool.submit(client.translate_hypotheses, [text], **long)
+                     for text in TEXTS[:3]]
+            assert stepping.wait(60)
+            running.wait_until(lambda: running.server.in_flight == 3)
+            drain = pool.submit(running.run_on_loop, running.server.drain, 60)
+            running.wait_until(lambda: running.server.draining)
+            assert not any(call.done() for call in calls)
+            release.set()
+            answers = [call.result(60) for call in calls]
+            drain.result(60)
+        assert all(len(a[0][0].token_ids) == 20 for a in answers)
+        assert running.metrics.value("tfserve_requests_total",
+                                     {"rpc": "Translate", "code": "OK"}) == 3
 
 
 def test_loadgen_smoke(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
