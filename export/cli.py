@@ -26,7 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tfserve.cli import OneLineParser
+from tfserve.argparsing import OneLineParser, add_version
+from tfserve.version import __version__
 
 EXIT_PARITY = 1
 EXIT_USAGE = 2
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--parity-samples", type=int, default=200,
                         help="sample sentences decoded greedily by both backends (demo model)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    add_version(parser, __version__)
     return parser
 
 

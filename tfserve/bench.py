@@ -2,7 +2,7 @@
 
     python -m tfserve bench                       # the bundled demo
     python -m tfserve bench --random-base         # random opus-mt-base-sized model
-    python -m tfserve bench --server HOST:PORT    # load generator against a running server
+    python -m tfserve bench --server HOST:PORT    # load test of a running server (loadgen)
 
 Cases (fixed output length: min_new_tokens = max_new_tokens, so every engine decodes the
 same number of tokens): greedy batch 1, greedy batch 16, beam 4 batch 32. Prints tokens/s
@@ -11,7 +11,6 @@ per backend and the ratio ONNX Runtime / eager. Needs torch (the eager side).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -21,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tfserve.argparsing import OneLineParser, add_version, program_name
+from tfserve.version import __version__
 
 # d_model 512, 6+6 layers, 8 heads, FFN 2048, vocab 32k: the size of Helsinki-NLP/opus-mt-*
 BASE_CONFIG = dict(vocab_size=32000, d_model=512, num_heads=8, encoder_layers=6,
@@ -99,12 +101,18 @@ def run_cases(backends: dict[str, Any], vocab: int, eos: int, new_tokens: int, s
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--server" in argv:
+    if any(arg == "--server" or arg.startswith("--server=") for arg in argv):
         from tfserve.loadgen import main as loadgen_main
 
         return loadgen_main(argv)
-    parser = argparse.ArgumentParser(prog="python -m tfserve bench", description=__doc__.split(
-        "\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = OneLineParser(prog=f"{program_name()} bench", description=__doc__.split("\n\n")[0],
+                           epilog="With --server HOST:PORT this runs a load test against that "
+                           "running server instead (tfserve.loadgen: closed-loop clients at "
+                           "several concurrencies, throughput and latency); `--server HOST:PORT "
+                           "--help` lists its flags.")
+    add_version(parser, __version__)
+    parser.add_argument("--server", metavar="HOST:PORT", help="load-test this running server "
+                        "instead of the offline benchmark (see below)")
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="native checkpoint (default: the bundled demo)")
     parser.add_argument("--random-base", action="store_true",
@@ -113,10 +121,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="reuse an exported artifacts dir of the same checkpoint")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated cases")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per row")
-    parser.add_argument("--source-len", type=int, default=24)
+    parser.add_argument("--source-len", type=int, default=24,
+                        help="source tokens per input row")
     parser.add_argument("--threads", type=int, default=0, help="threads for both backends "
                         "(0: all cores)")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="timed runs per case after one warm-up; the best is reported")
     parser.add_argument("--quantize", action="store_true",
                         help="also time an int8-quantized export")
     args = parser.parse_args(argv)

@@ -1,30 +1,43 @@
-"""`python -m tfserve {translate,encode,serve,bench}`.
+"""`tfserve {translate,encode,serve,bench}` (also `python -m tfserve ...`).
 
-    python -m tfserve translate "three hundred and forty-two" "seven"   # the bundled demo
-    python -m tfserve translate --model artifacts/opus-mt-en-de --beams 4 "Hello."
-    python -m tfserve translate --server localhost:50051 "twelve"       # a running server
-    python -m tfserve encode --pooling mean "twelve"
-    python -m tfserve serve --model DIR --port 50051                     # see --help
-    python -m tfserve bench                                              # offline benchmark
+    tfserve translate "three hundred and forty-two" "seven"        # the bundled demo
+    tfserve translate --model artifacts/opus-mt-en-de --beams 4 "Hello."
+    tfserve translate --server localhost:50051 "twelve"            # a running server
+    tfserve encode --pooling mean "twelve"
+    tfserve serve --model DIR --port 50051                          # see serve --help
+    tfserve bench                                                   # offline benchmark
 
 Texts come from the arguments, or from standard input one per line when there are none.
-Bad input is one line on stderr and exit code 2.
+Output keeps to the input, line for line: each input gives --n-best lines (one JSON object
+with --json, and for encode); a blank input gives blank lines (translate), an object with no
+hypotheses (translate --json) or a null embedding (encode), and is not sent to the model.
+
+Exit codes: 0 success; 1 runtime failure (server unreachable, model failure, any server error
+but INVALID_ARGUMENT); 2 bad flag or bad input (one line on stderr); 141 when the reader of
+standard output went away (`| head -1`), quietly, as `cat` does; 130 on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-EXIT_USAGE = 2
+from tfserve.argparsing import (
+    EXIT_BROKEN_PIPE,
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    OneLineParser,
+    add_version,
+    program_name,
+)
+from tfserve.version import __version__
 
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -41,18 +54,32 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("decoding")
     group.add_argument("--max-new-tokens", type=int, default=None,
-                       help="default: 256 or the model's limit, whichever is smaller")
-    group.add_argument("--min-new-tokens", type=int, default=0)
+                       help="most tokens generated per text (default: 256 or the model's "
+                       "limit, whichever is smaller)")
+    group.add_argument("--min-new-tokens", type=int, default=0,
+                       help="tokens generated before end-of-sentence is allowed")
     group.add_argument("--beams", type=int, default=1, help="beam size (1: greedy)")
-    group.add_argument("--length-penalty", type=float, default=1.0)
-    group.add_argument("--early-stopping", action="store_true")
+    group.add_argument("--length-penalty", type=float, default=1.0,
+                       help="beam search ranks hypotheses by log-probability / length ** this: "
+                       "above 1 favours longer ones, below 1 shorter ones")
+    group.add_argument("--early-stopping", action="store_true",
+                       help="beam search: stop as soon as --beams hypotheses are finished, "
+                       "instead of when no running beam can beat them")
     group.add_argument("--n-best", type=int, default=1,
-                       help="hypotheses printed per text (num_return_sequences)")
+                       help="hypotheses printed per text (at most --beams, or with --sample "
+                       "independent samples)")
     group.add_argument("--sample", action="store_true", help="sample instead of searching")
-    group.add_argument("--temperature", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--temperature", type=float, default=1.0,
+                       help="--sample: divide the logits by this (below 1 sharper, above 1 "
+                       "flatter)")
+    group.add_argument("--top-k", type=int, default=0,
+                       help="--sample: draw from the k most likely tokens only (0: all)")
+    group.add_argument("--top-p", type=float, default=1.0,
+                       help="--sample: draw from the smallest set of tokens whose probability "
+                       "reaches p (nucleus sampling; 1: all)")
+    group.add_argument("--seed", type=int, default=None,
+                       help="--sample: random seed, for repeatable samples (default: a fresh "
+                       "one per run)")
 
 
 def decoding_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -63,17 +90,26 @@ def decoding_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 top_p=args.top_p, seed=args.seed)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m tfserve", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The parser of `tfserve` (serve and bench only show here: they parse their own flags)."""
+    prog = prog or program_name()
+    parser = OneLineParser(prog=prog, description="Translate, embed, serve and benchmark "
+                           "encoder-decoder Transformers exported to ONNX.")
+    add_version(parser, __version__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=OneLineParser)
 
     tr = sub.add_parser("translate", help="translate texts, one result line per text",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    tr.add_argument("texts", nargs="*", help="texts (default: lines of standard input)")
+                        description="Translate texts with the model (or a running server): "
+                        "--n-best lines per input line, in input order.")
+    add_version(tr, __version__)
+    tr.add_argument("texts", nargs="*",
+                    help="texts to translate (default: the lines of standard input)")
     add_model_args(tr)
     add_decoding_args(tr)
     tr.add_argument("--server", default=None, metavar="HOST:PORT",
-                    help="send the texts to a running tfserve server instead")
+                    help="send the texts to a running tfserve server instead of loading "
+                    "--model")
     tr.add_argument("--eager", action="store_true",
                     help="run the PyTorch checkpoint (--checkpoint) instead of ONNX Runtime")
     tr.add_argument("--checkpoint", type=Path, default=None,
@@ -82,39 +118,61 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--json", action="store_true", help="print one JSON object per text")
 
     enc = sub.add_parser("encode", help="sentence embeddings (JSON lines)",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    enc.add_argument("texts", nargs="*")
+                         description="Encoder embeddings: one JSON object per input line, in "
+                         "input order.")
+    add_version(enc, __version__)
+    enc.add_argument("texts", nargs="*",
+                     help="texts to encode (default: the lines of standard input)")
     add_model_args(enc)
-    enc.add_argument("--pooling", default="mean", choices=["mean", "max", "first"])
+    enc.add_argument("--pooling", default="mean", choices=["mean", "max", "first"],
+                     help="how the encoder's hidden states become one vector: mean or max over "
+                     "the tokens, or the first token's")
     enc.add_argument("--per-token", action="store_true", help="include per-token hidden states")
-    enc.add_argument("--server", default=None, metavar="HOST:PORT")
+    enc.add_argument("--server", default=None, metavar="HOST:PORT",
+                     help="send the texts to a running tfserve server instead of loading "
+                     "--model")
 
-    serve = sub.add_parser("serve", help="run the gRPC server (see `serve --help`)",
-                           add_help=False)
-    serve.add_argument("rest", nargs=argparse.REMAINDER)
-    bench = sub.add_parser("bench", help="benchmarks (see `bench --help`)", add_help=False)
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("serve", help=f"run the gRPC server (see `{prog} serve --help`)",
+                   add_help=False)
+    sub.add_parser("bench", help=f"offline benchmark, or with --server a load test of a "
+                   f"running server (see `{prog} bench --help`)", add_help=False)
     return parser
 
 
 def read_texts(args: argparse.Namespace) -> list[str]:
+    """The arguments, or every line of standard input (blank ones included, so that output
+    lines can follow input lines)."""
     if args.texts:
         return list(args.texts)
     if sys.stdin is None or sys.stdin.isatty():
         raise ValueError("no texts given: pass them as arguments or on standard input")
-    return [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    return [line.rstrip("\r\n") for line in sys.stdin]
 
 
-def print_translations(args: argparse.Namespace, texts: list[str],
-                       results: list[list[Any]]) -> None:
+def run_non_blank(texts: Sequence[str], run: Callable[[list[str]], list[Any]]) -> list[Any]:
+    """`run` on the texts that are not blank; None in the places of the blank ones, which the
+    model never sees (an empty text is not a translation request, and the output must still
+    have a line for it)."""
+    keep = [i for i, text in enumerate(texts) if text.strip()]
+    results: list[Any] = [None] * len(texts)
+    if keep:
+        for index, result in zip(keep, run([texts[i] for i in keep])):
+            results[index] = result
+    return results
+
+
+def print_translations(args: argparse.Namespace, texts: Sequence[str],
+                       results: Sequence[list[Any] | None]) -> None:
     for text, hyps in zip(texts, results):
         if args.json:
             print(json.dumps({"source": text, "hypotheses": [
                 {"text": h.text, "token_ids": list(h.token_ids), "score": h.score}
-                for h in hyps]}, ensure_ascii=False))
-            continue
-        for h in hyps:
-            print(f"{h.score:.4f}\t{h.text}" if args.scores else h.text)
+                for h in hyps or []]}, ensure_ascii=False))
+        elif hyps is None:  # a blank input: as many blank lines as a real one would print
+            print("\n" * (args.n_best - 1))
+        else:
+            for h in hyps:
+                print(f"{h.score:.4f}\t{h.text}" if args.scores else h.text)
 
 
 def cmd_translate(args: argparse.Namespace) -> None:
@@ -124,7 +182,8 @@ def cmd_translate(args: argparse.Namespace) -> None:
         from tfserve.client import Client
 
         with Client(args.server) as client:
-            results = client.translate_hypotheses(texts, truncate=args.truncate, **kwargs)
+            results = run_non_blank(texts, lambda batch: client.translate_hypotheses(
+                batch, truncate=args.truncate, **kwargs))
         print_translations(args, texts, results)
         return
     from tfserve.translator import Translator
@@ -141,8 +200,8 @@ def cmd_translate(args: argparse.Namespace) -> None:
                                              Tokenizer(directory, spec))
     else:
         translator = Translator(args.model, device=args.device, intra_op_threads=args.threads)
-    print_translations(args, texts, translator.translate_hypotheses(
-        texts, truncate=args.truncate, **kwargs))
+    print_translations(args, texts, run_non_blank(texts, lambda batch: (
+        translator.translate_hypotheses(batch, truncate=args.truncate, **kwargs))))
 
 
 def cmd_encode(args: argparse.Namespace) -> None:
@@ -151,23 +210,47 @@ def cmd_encode(args: argparse.Namespace) -> None:
         from tfserve.client import Client
 
         with Client(args.server) as client:
-            encodings = client.encode(texts, pooling=args.pooling, per_token=args.per_token,
-                                      truncate=args.truncate)
+            encodings = run_non_blank(texts, lambda batch: client.encode(
+                batch, pooling=args.pooling, per_token=args.per_token, truncate=args.truncate))
     else:
         from tfserve.translator import Translator
 
         translator = Translator(args.model, device=args.device, intra_op_threads=args.threads)
-        encodings = translator.encode(texts, pooling=args.pooling, truncate=args.truncate)
+        encodings = run_non_blank(texts, lambda batch: translator.encode(
+            batch, pooling=args.pooling, truncate=args.truncate))
     for text, e in zip(texts, encodings):
-        record: dict[str, Any] = {"text": text, "embedding": [round(float(x), 6)
-                                                             for x in e.embedding]}
+        record: dict[str, Any] = {"text": text, "embedding": None if e is None else [
+            round(float(x), 6) for x in e.embedding]}
         if args.per_token:
-            record["hidden_states"] = [[round(float(x), 6) for x in row]
-                                       for row in e.hidden_states]
+            record["hidden_states"] = None if e is None else [
+                [round(float(x), 6) for x in row] for row in e.hidden_states]
         print(json.dumps(record, ensure_ascii=False))
 
 
+def failure_exit_code(exc: BaseException) -> int:
+    """EXIT_USAGE for bad input (a ValueError, or a server answering INVALID_ARGUMENT),
+    EXIT_FAILURE for everything else (unreachable server, model failure, I/O)."""
+    if isinstance(exc, ValueError):
+        return EXIT_USAGE
+    code = getattr(exc, "code", None)
+    if callable(code):  # a gRPC error (tfserve.client.ServerError)
+        return EXIT_USAGE if getattr(code(), "name", "") == "INVALID_ARGUMENT" else EXIT_FAILURE
+    return EXIT_FAILURE
+
+
+def _quiet_stdout() -> None:
+    """Point standard output at /dev/null: the interpreter flushes it once more at exit,
+    which would raise BrokenPipeError again and print 'Exception ignored'."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no file descriptor behind sys.stdout (embedded, tests)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The `tfserve` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     # serve and bench own their whole argument lists (and their --help)
     if argv and argv[0] == "serve":
@@ -178,14 +261,23 @@ def main(argv: list[str] | None = None) -> int:
         from tfserve.bench import main as bench_main
 
         return bench_main(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    prog = program_name()
+    parser = build_parser(prog)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would blame the top parser: name the subcommand, as its errors do
+        parser.exit(EXIT_USAGE, f"{prog} {args.command}: error: unrecognized arguments: "
+                    f"{' '.join(unknown)} (see {prog} {args.command} --help)\n")
     try:
         {"translate": cmd_translate, "encode": cmd_encode}[args.command](args)
+        sys.stdout.flush()  # a closed pipe must fail here, inside the try, not at exit
+    except BrokenPipeError:  # the reader went away (`| head -1`): stop quietly, as cat does
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     except (ValueError, RuntimeError, OSError) as exc:
-        # every input / config / artifacts error in tfserve is a ValueError naming the field
-        print(f"python -m tfserve {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except BrokenPipeError:  # `| head` closed the pipe: not an error
-        return 0
+        # input, config and artifacts errors are ValueErrors naming the field; failed gRPC
+        # calls are tfserve.client.ServerError (a RuntimeError) carrying the status code
+        print(f"{prog} {args.command}: error: {exc}", file=sys.stderr)
+        return failure_exit_code(exc)
     return 0

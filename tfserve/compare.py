@@ -590,7 +590,7 @@ def format_table(rows: list[dict[str, Any]], summaries: dict[str, dict[str, Any]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tfserve.cli import OneLineParser
+    from tfserve.argparsing import OneLineParser
 
     parser = OneLineParser(prog="python -m tfserve.compare",
                            description=__doc__.split("\n\n")[0],

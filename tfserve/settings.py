@@ -14,9 +14,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tfserve.cli import OneLineParser
+from tfserve.argparsing import OneLineParser, add_version, program_name
 from tfserve.scheduler import SchedulerConfig
 from tfserve.translator import DEFAULT_MAX_TEXTS
+from tfserve.version import __version__
 
 ENV_PREFIX = "TFSERVE_"
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
@@ -56,6 +57,7 @@ class ServerConfig:
     max_connection_age_seconds: float = 0.0  # 0: connections are never closed by age
 
     def metrics_bind_host(self) -> str:
+        """The address the metrics endpoint listens on: --metrics-host, else --host."""
         return self.metrics_host or self.host
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -136,8 +138,8 @@ def env_name(name: str) -> str:
 
 
 _HELP = {
-    "model": "artifacts directory from `python -m export` (default: the bundled demo, "
-             "exported on first use)",
+    "model": "artifacts directory from `python -m export`; unset: the bundled demo, "
+             "exported on first use",
     "host": "address to listen on",
     "port": "gRPC port (0: pick a free one, logged at startup)",
     "metrics_port": "Prometheus /metrics HTTP port (0 disables)",
@@ -170,12 +172,13 @@ _HELP = {
     "log_level": "debug, info, warning or error",
     "tls_cert": "PEM certificate chain: serve TLS (needs --tls-key)",
     "tls_key": "PEM private key for --tls-cert",
-    "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mutual TLS; "
-                     "needs --tls-cert and --tls-key)",
+    "tls_client_ca": "PEM CA bundle: require and verify client certificates signed by it "
+                     "(mutual TLS; needs --tls-cert and --tls-key)",
     "metrics_host": "address the metrics endpoint listens on (empty: --host), e.g. 127.0.0.1 "
                     "to keep metrics private while gRPC listens outside",
-    "max_concurrent_streams": "concurrent calls per client connection (HTTP/2 streams)",
-    "max_connections": "client connections the server holds at once; more are refused",
+    "max_concurrent_streams": "concurrent calls per client connection (HTTP/2 max "
+                              "concurrent streams)",
+    "max_connections": "client connections the server accepts at once; more are refused",
     "max_connection_age_seconds": ("close each client connection after this long (clients "
                                    "reconnect and spread again over --workers and replicas; "
                                    "calls in flight get --grace-seconds); 0: never"),
@@ -185,13 +188,16 @@ _HELP = {
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-    """Flags with their defaults taken from TFSERVE_* env vars where set (a flag wins)."""
+    """Flags with their defaults taken from TFSERVE_* env vars where set (a flag wins).
+
+    Each help ends with its env var and, where there is one, the default in force (the env
+    var's value when set); help texts are printed as written ("%" included)."""
     environ = os.environ if environ is None else environ
-    parser = OneLineParser(prog="python -m tfserve serve",
-                     description="Serve an exported model over gRPC (tfserve.v1.Translator, "
-                     "health, reflection) with Prometheus metrics. Every flag can also be set "
-                     "with the env var shown; the flag wins.",
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = OneLineParser(prog=f"{program_name()} serve",
+                           description="Serve an exported model over gRPC (tfserve.v1.Translator, "
+                           "health, reflection) with Prometheus metrics. Every flag can also be "
+                           "set with the env var shown; the flag wins.")
+    add_version(parser, __version__)
     defaults = ServerConfig()
     for spec in fields(ServerConfig):
         name = spec.name
@@ -204,10 +210,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
             except ValueError:
                 parser.error(f"{env}={environ[env]!r} is not a valid value for --{_flag(name)}")
         shown = "***" if name == "auth_token" and default else default
+        text = f"{_HELP[name]} [env {env}]"
+        if shown is not None and shown != "":  # unset: the help says what happens then
+            text += f" (default: {shown})"
         parser.add_argument(f"--{_flag(name)}", dest=name, type=kind, default=default,
-                            help=f"{_HELP[name]} [env {env}] (default: {shown})".replace(
-                                "%", "%%"))
-    parser.formatter_class = argparse.HelpFormatter  # defaults are in the help text already
+                            help=text)
     return parser
 
 

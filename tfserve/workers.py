@@ -45,12 +45,12 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from tfserve.argparsing import EXIT_USAGE
 from tfserve.metrics import serve_workers_metrics
 from tfserve.settings import ServerConfig
 
 log = logging.getLogger("tfserve.server")
 
-EXIT_USAGE = 2
 RESTARTS = 5  # a worker that served and died is restarted, up to this many times ...
 RESTART_WINDOW_S = 60.0  # ... within this many seconds; then the set stops
 _PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
