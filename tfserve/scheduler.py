@@ -93,7 +93,7 @@ class SchedulerConfig:
     # while the idle worker waits for company, encode what has arrived (the wait then
     # overlaps encoder work); the rows join the decoder batch together when the wait ends.
     # Off by default: on 2 shared cores the encoder runs slowed the event loop receiving the
-    # rest of the wave as much as they saved (docs/benchmarks.md, session 4)
+    # rest of the wave as much as they saved (docs/benchmarks.md, "Server settings compared")
     encode_ahead: bool = False
 
     def validate(self) -> SchedulerConfig:

@@ -937,7 +937,7 @@ def event_loop_runner(kind: str) -> Callable[[Awaitable[int]], int]:
     """asyncio.run, or uvloop's: "auto" takes uvloop when it is installed.
 
     grpc.aio spends most of its Python time in the event loop; on uvloop the demo served
-    5.7% more at 32 clients and a lone request 0.4 ms sooner (docs/benchmarks.md, session 4).
+    5.7% more at 32 clients and a lone request 0.4 ms sooner (docs/benchmarks.md).
     """
     if kind == "asyncio":
         return asyncio.run  # type: ignore[return-value]
