@@ -1,7 +1,13 @@
-"""Helpers for the server tests: test models, a server on a background thread, a subprocess.
+"""Helpers for the server tests: test models, a server on a background thread, a subprocess,
+and gates that hold a server's decoder steps.
 
 A real server listens on a loopback ephemeral port; the tests talk to it with real gRPC
 clients (tfserve.client, or generic stubs for health and reflection).
+
+Nothing here depends on how fast the machine is: a test that needs requests to be running at
+some moment holds the model with a gate (`Gate` in process, `ProcessGate` for a subprocess)
+rather than hoping that the work takes longer than the test's next move, and every wait is
+for a state (an event, a log record, a queue length) with a generous timeout as a safety net.
 """
 
 from __future__ import annotations
@@ -10,8 +16,10 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -137,11 +145,190 @@ class ServerThread:
         self.stop()
 
 
-class ServerProcess:
-    """`python -m tfserve serve ...` in a subprocess; the port is read from its 'serving' log."""
+class Gate:
+    """A scheduler test hook that holds the worker before each decoder step until the test lets
+    it go, and records every model call: requests are provably still running while it holds.
 
-    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
-        full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+        with Gate(server.scheduler) as gate:    # holds from here; opens on exit
+            ... send requests ...
+            gate.wait_held()                    # the worker waits before a step: its rows
+            gate.step()                         # one step goes through, then it holds again
+            gate.open()                         # every step goes through from now on
+
+    `calls` lists (stage, rows decoding) for every model call ("encode", "embed", "step"), in
+    order; `fail_next(stage)` makes the next call of that stage raise (a failed model run).
+    """
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.calls: list[tuple[str, int]] = []
+        self._cond = threading.Condition()
+        self._open = False
+        self._allowed = 0  # steps that may go through while holding
+        self._holding = False
+        self._failures: list[str] = []
+
+    def __enter__(self) -> Gate:
+        self.scheduler.test_hook = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.open()
+        self.scheduler.test_hook = None
+
+    def __call__(self, stage: str) -> None:  # the worker thread
+        batch = self.scheduler._batch
+        with self._cond:
+            self.calls.append((stage, batch.rows - batch.retired_rows))
+            if stage in self._failures:
+                self._failures.remove(stage)
+                raise RuntimeError(f"injected {stage} failure")
+            if stage != "step":
+                return
+            while not self._open and not self._allowed:
+                self._holding = True
+                self._cond.notify_all()
+                self._cond.wait()
+            self._holding = False
+            if not self._open:
+                self._allowed -= 1
+
+    def wait_held(self, timeout: float = 60.0) -> int:
+        """Wait until the worker is held before a decoder step; the rows it would decode."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._holding, timeout):
+                raise AssertionError("the worker did not reach a decoder step")
+            return next(rows for stage, rows in reversed(self.calls) if stage == "step")
+
+    def step(self, count: int = 1) -> None:
+        with self._cond:
+            self._allowed += count
+            self._holding = False
+            self._cond.notify_all()
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+            self._holding = False
+            self._cond.notify_all()
+
+    def fail_next(self, stage: str) -> None:
+        with self._cond:
+            self._failures.append(stage)
+
+
+def wait_queued(scheduler: Any, count: int, timeout: float = 60.0) -> None:
+    """Wait until `count` inputs wait in the scheduler's queues, not taken by the worker yet
+    (every submit notifies the scheduler's condition)."""
+    def queued() -> int:
+        return len(scheduler._translate_queue) + len(scheduler._encode_queue)
+
+    with scheduler._cond:
+        if not scheduler._cond.wait_for(lambda: queued() >= count, timeout):
+            raise AssertionError(f"{queued()} inputs queued, not {count}")
+
+
+# the sitecustomize module of a ProcessGate: Python imports it in every process it starts with
+# the gate's directory on PYTHONPATH (the server, and each of its --workers)
+_GATE_SITECUSTOMIZE = '''"""A test gate (tests/server_helpers.py, ProcessGate): while its socket
+exists, each decoder step of this process connects to it and waits until the test lets go."""
+import os
+import socket
+
+
+def _install(path):
+    from tfserve.scheduler import Scheduler
+
+    model_call = Scheduler._model_call
+
+    def gated_model_call(self, stage):
+        if stage == "step" and os.path.exists(path):
+            with socket.socket(socket.AF_UNIX) as gate:
+                try:
+                    gate.connect(path)
+                    gate.sendall(b"%d\\n" % os.getpid())
+                    gate.recv(1)  # returns (or fails) when the test closes the gate
+                except OSError:
+                    pass  # the gate closed meanwhile
+        model_call(self, stage)
+
+    Scheduler._model_call = gated_model_call
+
+
+if os.environ.get("TFSERVE_TEST_STEP_GATE"):
+    _install(os.environ["TFSERVE_TEST_STEP_GATE"])
+'''
+
+
+class ProcessGate:
+    """Holds the decoder steps of server subprocesses, as Gate does in process.
+
+        with ProcessGate() as gate:
+            process = ServerProcess(args, gate=gate)
+            gate.hold()       # from now on each process waits before its next decoder step
+            ...               # requests sent now stay in flight: queued or decoding
+            gate.release()    # every step goes through again
+
+    The server under test is the real `python -m tfserve serve`: the gate comes in through a
+    sitecustomize module on PYTHONPATH, which wraps Scheduler._model_call (the call before every
+    model run) in each process, --workers included; without hold() a step only checks that the
+    gate's socket does not exist.
+    """
+
+    def __init__(self) -> None:
+        # in a short directory of its own: an AF_UNIX path holds at most 107 bytes
+        self.directory = Path(tempfile.mkdtemp(prefix="tfserve-gate-"))
+        (self.directory / "sitecustomize.py").write_text(_GATE_SITECUSTOMIZE)
+        self.path = self.directory / "gate"
+        self._listener: socket.socket | None = None
+        self._held: list[socket.socket] = []
+
+    def env(self) -> dict[str, str]:
+        return {"PYTHONPATH": os.pathsep.join([str(self.directory), str(ROOT)]),
+                "TFSERVE_TEST_STEP_GATE": str(self.path)}
+
+    def hold(self) -> None:
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(self.path))
+        listener.listen(64)
+        self._listener = listener
+
+    def wait_held(self, timeout: float = 60.0) -> int:
+        """Wait until a process is held before a decoder step; its pid."""
+        assert self._listener is not None, "hold() first"
+        self._listener.settimeout(timeout)
+        connection, _ = self._listener.accept()
+        self._held.append(connection)
+        connection.settimeout(timeout)
+        return int(connection.makefile().readline())
+
+    def release(self) -> None:
+        """Let every held step go on, and the later ones through."""
+        if self._listener is not None:
+            self.path.unlink(missing_ok=True)  # later steps go straight through
+            self._listener.close()  # connections not accepted yet are refused: they go on
+            self._listener = None
+        for connection in self._held:
+            connection.close()
+        self._held.clear()
+
+    def __enter__(self) -> ProcessGate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class ServerProcess:
+    """`python -m tfserve serve ...` in a subprocess; the port is read from its 'serving' log.
+    With a ProcessGate, its decoder steps can be held (ProcessGate.hold)."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None,
+                 gate: ProcessGate | None = None) -> None:
+        full_env = dict(os.environ, PYTHONPATH=str(ROOT))
+        full_env.update(gate.env() if gate is not None else {})
+        full_env.update(env or {})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tfserve", "serve", *argv, "--log-level", "info",
              "--log-format", "json"],
@@ -175,6 +362,13 @@ class ServerProcess:
     def wait_for(self, predicate: Callable[[dict[str, Any]], bool],
                  timeout: float = 60.0) -> dict[str, Any]:
         """The first log record matching predicate, waiting for the lines as they come."""
+        return self.wait_for_all(predicate, 1, timeout)[0]
+
+    def wait_for_all(self, predicate: Callable[[dict[str, Any]], bool], count: int,
+                     timeout: float = 60.0) -> list[dict[str, Any]]:
+        """The first `count` log records matching predicate, waiting for the lines as they
+        come (one 'draining' record per worker, say)."""
+        found: list[dict[str, Any]] = []
         seen = 0
         with self._changed:
             while True:
@@ -184,10 +378,13 @@ class ServerProcess:
                     except ValueError:
                         continue
                     if predicate(record):
-                        return record
+                        found.append(record)
+                        if len(found) == count:
+                            return found
                 seen = len(self.lines)
                 if self.closed or not self._changed.wait(timeout):
-                    raise RuntimeError("no such log record:\n" + "".join(self.lines[-30:]))
+                    raise RuntimeError(f"{len(found)} of {count} such log records:\n"
+                                       + "".join(self.lines[-30:]))
 
     def wait_serving(self, timeout: float = 60.0, workers: int = 1) -> str:
         with self._changed:

@@ -13,12 +13,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
-from server_helpers import ROOT, ServerProcess, export_random_model, server_args
+from server_helpers import ROOT, ProcessGate, ServerProcess, export_random_model, server_args
 
 from tfserve.client import translate_request
 from tfserve.proto import translator_pb2_grpc as pb2_grpc
@@ -62,17 +62,46 @@ def own_connection(target: str) -> grpc.Channel:
     return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
 
 
-def translate_ok(metrics_port: int) -> dict[str, int]:
-    """tfserve_requests_total{code="OK",rpc="Translate"} by worker label ("" for none)."""
+def samples(metrics_port: int, name: str, **labels: str) -> dict[str, int]:
+    """The values of metric `name` with these labels at a metrics port, by worker label ("" for
+    none)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
+    with urllib.request.urlopen(url, timeout=60) as response:
         text = response.read().decode()
     return {sample.labels.get("worker", ""): int(sample.value)
             for family in text_string_to_metric_families(text) for sample in family.samples
-            if sample.name == "tfserve_requests_total"
-            and sample.labels.get("code") == "OK" and sample.labels.get("rpc") == "Translate"}
+            if sample.name == name
+            and all(sample.labels.get(key) == value for key, value in labels.items())}
+
+
+def translate_ok(metrics_port: int) -> dict[str, int]:
+    """tfserve_requests_total{code="OK",rpc="Translate"} by worker label ("" for none)."""
+    return samples(metrics_port, "tfserve_requests_total", code="OK", rpc="Translate")
+
+
+def in_flight(metrics_port: int) -> int:
+    """The calls a worker holds (its own metrics port)."""
+    return samples(metrics_port, "tfserve_in_flight_requests")[""]
+
+
+def start_streams(channels: list[grpc.Channel], request: Any) -> list[Any]:
+    """A TranslateStream call on each channel, returned once every one is queued at its worker
+    (a stream's headers are sent then)."""
+    streams = [pb2_grpc.TranslatorStub(c).TranslateStream(request, timeout=120)
+               for c in channels]
+    for stream in streams:
+        stream.initial_metadata()
+    return streams
+
+
+def finals(stream: Any) -> int | grpc.StatusCode:
+    """The inputs a stream answered in full, or the status it failed with."""
+    try:
+        return sum(chunk.done for chunk in stream)
+    except grpc.RpcError as error:
+        return error.code()
 
 
 def test_worker_settings() -> None:
@@ -96,86 +125,96 @@ def test_worker_settings() -> None:
 
 def test_workers_share_the_port_and_drain_together(random_model: Path) -> None:
     metrics = free_ports(3)
-    process = ServerProcess(server_args(random_model, "--workers", "2", "--max-batch-size", "2",
-                                        "--metrics-port", str(metrics), "--grace-seconds", "30"))
-    channels: list[grpc.Channel] = []
-    try:
-        target = process.wait_serving(workers=2)
-        serving = [r for r in process.records() if r.get("event") == "serving"]
-        assert sorted(r["worker"] for r in serving) == [0, 1]
-        assert len({r["pid"] for r in serving}) == 2 and len({r["port"] for r in serving}) == 1
-        # 16 connections: both workers answer (all on one worker: a 2**-15 chance), the same
-        channels = [own_connection(target) for _ in range(16)]
-        request = translate_request(TEXTS, max_new_tokens=8)
-        answers = {tuple(tuple(h.token_ids) for t in
-                         pb2_grpc.TranslatorStub(c).Translate(request, timeout=60).translations
-                         for h in t.hypotheses) for c in channels}
-        assert len(answers) == 1
-        counts = [translate_ok(metrics + 1)[""], translate_ok(metrics + 2)[""]]
-        assert sum(counts) == 16 and min(counts) > 0, counts
-        assert translate_ok(metrics) == {"0": counts[0], "1": counts[1]}  # one scrape, all
-        # SIGTERM to the parent: every worker drains, the calls in flight are answered
-        # 8 calls x 8 inputs x 120 steps through 2 rows a worker: seconds of work
-        long = translate_request(TEXTS * 2, max_new_tokens=120, min_new_tokens=120)
-        with ThreadPoolExecutor(8) as pool:
-            in_flight = [pool.submit(pb2_grpc.TranslatorStub(c).Translate, long, timeout=120)
-                         for c in channels[:8]]
-            time.sleep(0.5)
-            assert not all(f.done() for f in in_flight), "requests finished too early"
+    with ProcessGate() as gate:
+        process = ServerProcess(server_args(random_model, "--workers", "2",
+                                            "--max-batch-size", "2", "--metrics-port",
+                                            str(metrics), "--grace-seconds", "30"), gate=gate)
+        channels: list[grpc.Channel] = []
+        try:
+            target = process.wait_serving(workers=2)
+            serving = [r for r in process.records() if r.get("event") == "serving"]
+            assert sorted(r["worker"] for r in serving) == [0, 1]
+            assert len({r["pid"] for r in serving}) == 2
+            assert len({r["port"] for r in serving}) == 1
+            # 16 connections: both workers answer (all on one worker: a 2**-15 chance), the
+            # same
+            channels = [own_connection(target) for _ in range(16)]
+            request = translate_request(TEXTS, max_new_tokens=8)
+            answers = {tuple(tuple(h.token_ids) for t in
+                             pb2_grpc.TranslatorStub(c).Translate(request, timeout=60)
+                             .translations for h in t.hypotheses) for c in channels}
+            assert len(answers) == 1
+            counts = [translate_ok(metrics + 1)[""], translate_ok(metrics + 2)[""]]
+            assert sum(counts) == 16 and min(counts) > 0, counts
+            assert translate_ok(metrics) == {"0": counts[0], "1": counts[1]}  # one scrape, all
+            # SIGTERM to the parent: every worker drains, and the calls in flight are
+            # answered in full. The workers' decoder steps are held from before the calls
+            # until the drain has begun: all 8 calls are in flight when it starts
+            gate.hold()
+            long = translate_request(TEXTS * 2, max_new_tokens=20, min_new_tokens=20)
+            streams = start_streams(channels[:8], long)
             process.proc.send_signal(signal.SIGTERM)
-            replies = [f.result(120) for f in in_flight]
-        assert all(len(h.token_ids) == 120 for r in replies for t in r.translations
-                   for h in t.hypotheses)
-        assert process.proc.wait(60) == 0
-        records = process.records()
-        assert len([r for r in records if r.get("event") == "stopped"]) == 2
-        assert len([r for r in records if r.get("event") == "draining"]) == 2
-    finally:
-        for channel in channels:
-            channel.close()
-        process.kill()
+            draining = process.wait_for_all(lambda r: r.get("event") == "draining", 2)
+            assert sum(r["in_flight"] for r in draining) == 8
+            gate.release()
+            assert [finals(stream) for stream in streams] == [len(TEXTS) * 2] * 8
+            assert process.proc.wait(60) == 0
+            records = process.records()
+            assert len([r for r in records if r.get("event") == "stopped"]) == 2
+            tokens = [r["tokens"] for r in records if r.get("rpc") == "TranslateStream"]
+            assert tokens == [20 * len(TEXTS) * 2] * 8
+        finally:
+            for channel in channels:
+                channel.close()
+            process.kill()
 
 
 def test_a_worker_that_dies_is_restarted(random_model: Path) -> None:
-    process = ServerProcess(server_args(random_model, "--workers", "2", "--max-batch-size", "2"))
-    try:
-        target = process.wait_serving(workers=2)
-        victim = next(r["pid"] for r in process.records() if r.get("worker") == 0)
-        # calls in flight on 16 connections (all on the victim: a 2**-16 chance): the
-        # victim's fail UNAVAILABLE, the others finish
-        long = translate_request(TEXTS, max_new_tokens=120, min_new_tokens=120)
-        channels = [own_connection(target) for _ in range(16)]
-        with ThreadPoolExecutor(16) as pool:
-            in_flight = [pool.submit(pb2_grpc.TranslatorStub(c).Translate, long, timeout=120)
-                         for c in channels]
-            time.sleep(0.5)
+    """Worker 0 is killed while both workers hold calls (their decoder steps are held): its
+    calls fail UNAVAILABLE, the other's are answered; a new worker 0 takes its place."""
+    metrics = free_ports(3)
+    with ProcessGate() as gate:
+        process = ServerProcess(server_args(random_model, "--workers", "2",
+                                            "--max-batch-size", "2", "--metrics-port",
+                                            str(metrics)), gate=gate)
+        try:
+            target = process.wait_serving(workers=2)
+            victim = next(r["pid"] for r in process.records() if r.get("worker") == 0)
+            gate.hold()
+            long = translate_request(TEXTS, max_new_tokens=20, min_new_tokens=20)
+            channels: list[grpc.Channel] = []
+            streams: list[Any] = []
+            held = [0, 0]
+            while min(held) == 0:  # calls on both workers (16 connections: almost surely)
+                more = [own_connection(target) for _ in range(16 if not channels else 4)]
+                channels += more
+                streams += start_streams(more, long)
+                held = [in_flight(metrics + 1), in_flight(metrics + 2)]
+            assert sum(held) == len(streams)
             os.kill(victim, signal.SIGKILL)
-            outcomes = []
-            for future in in_flight:
-                try:
-                    outcomes.append(len(future.result(120).translations))
-                except grpc.RpcError as error:
-                    outcomes.append(error.code())
-        for channel in channels:
-            channel.close()
-        assert all(o in (4, grpc.StatusCode.UNAVAILABLE) for o in outcomes), outcomes
-        assert 4 in outcomes  # the other worker's calls were not touched
-        process.wait_serving(workers=3)  # a new worker 0
-        records = process.records()
-        assert any("exited with code -9; restarting it" in str(r.get("msg")) for r in records)
-        reborn = [r for r in records if r.get("event") == "serving"][-1]
-        assert reborn["worker"] == 0 and reborn["pid"] != victim
-        channels = [own_connection(target) for _ in range(8)]
-        request = translate_request(TEXTS, max_new_tokens=4)
-        for channel in channels:
-            pb2_grpc.TranslatorStub(channel).Translate(request, timeout=60)
-            channel.close()
-        process.proc.send_signal(signal.SIGTERM)
-        assert process.proc.wait(60) == 0
-        stopped = [r for r in process.records() if r.get("event") == "workers_stopped"]
-        assert stopped and stopped[0]["exit_codes"] == [0, 0]
-    finally:
-        process.kill()
+            gate.release()
+            outcomes = [finals(stream) for stream in streams]
+            for channel in channels:
+                channel.close()
+            assert outcomes.count(grpc.StatusCode.UNAVAILABLE) == held[0], outcomes
+            assert outcomes.count(len(TEXTS)) == held[1], outcomes  # not touched
+            process.wait_serving(workers=3)  # a new worker 0
+            records = process.records()
+            assert any("exited with code -9; restarting it" in str(r.get("msg"))
+                       for r in records)
+            reborn = [r for r in records if r.get("event") == "serving"][-1]
+            assert reborn["worker"] == 0 and reborn["pid"] != victim
+            channels = [own_connection(target) for _ in range(8)]
+            request = translate_request(TEXTS, max_new_tokens=4)
+            for channel in channels:
+                pb2_grpc.TranslatorStub(channel).Translate(request, timeout=60)
+                channel.close()
+            process.proc.send_signal(signal.SIGTERM)
+            assert process.proc.wait(60) == 0
+            stopped = [r for r in process.records() if r.get("event") == "workers_stopped"]
+            assert stopped and stopped[0]["exit_codes"] == [0, 0]
+        finally:
+            process.kill()
 
 
 def test_a_worker_that_cannot_start_stops_the_set(random_model: Path) -> None:
@@ -231,17 +270,21 @@ def test_loadgen_counts_the_cpu_of_the_workers() -> None:
     """--server-pid on a parent whose work runs in child processes counts the children."""
     from tfserve.loadgen import process_cpu_seconds
 
-    spin = "import time\nend = time.process_time() + 5\nwhile time.process_time() < end: pass"
-    parent = subprocess.Popen(["bash", "-c", f"{sys.executable} -c '{spin}' & sleep 30"])
+    # the child spends 0.8 s of CPU, says so, and waits (alive) for the test to end it
+    spin = ("import os, signal, time\nend = time.process_time() + 0.8\n"
+            "while time.process_time() < end: pass\nprint(os.getpid(), flush=True)\n"
+            "signal.pause()")
+    parent = subprocess.Popen(["bash", "-c", f"{sys.executable} -c '{spin}' & wait"],
+                              stdout=subprocess.PIPE, text=True)
+    child = None
     try:
-        time.sleep(1.5)
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
         seconds = process_cpu_seconds(parent.pid)
         assert seconds is not None and seconds >= 0.6  # the child's, not bash's own ~0
     finally:
-        try:  # the spinner ends by itself within 5 s of CPU anyway
-            subprocess.run(["pkill", "-P", str(parent.pid)], check=False)
-        except FileNotFoundError:
-            pass
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
         parent.kill()
         parent.wait()
 
