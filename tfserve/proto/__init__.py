@@ -1,44 +1,46 @@
-"""The generated gRPC stubs of proto/tfserve/v1, built on first use.
+"""The gRPC stubs of proto/tfserve/v1, generated when tfserve is built.
 
     from tfserve.proto import translator_pb2, translator_pb2_grpc
 
-The modules themselves live in tfserve/proto/tfserve/v1/ and are not committed: the first
-import generates them with `tfserve.proto_build` (grpcio-tools) when they are missing or were
-generated from other .proto sources. `python -m tfserve.proto_build` does the same explicitly.
+The modules live in tfserve/proto/tfserve/v1/. Wheels and sdists ship them and an editable
+install generates them into the source tree (the build hooks in tfserve/proto_build.py);
+importing them only imports, so an installed tfserve never writes to its own directory and
+never needs grpcio-tools. After a .proto change in a source checkout,
+`python -m tfserve.proto_build` regenerates them.
 """
 
 from __future__ import annotations
 
 import importlib
-import threading
 from types import ModuleType
 
+_PACKAGE = "tfserve.proto.tfserve.v1"
 _MODULES = ("translator_pb2", "translator_pb2_grpc")
-_lock = threading.Lock()
-_checked = False
+
+MISSING = (
+    "the gRPC stubs of tfserve ({package}) are missing from {where}: they are generated when "
+    "tfserve is built, so reinstall it (pip install --force-reinstall tfserve, or pip install "
+    "-e . in a source checkout), or generate them in a source checkout with "
+    "`python -m tfserve.proto_build` (grpcio-tools, in the dev extra)"
+)
 
 
-def ensure_generated() -> None:
-    """Generate the stubs if they are missing or stale (once per process)."""
-    global _checked
-    if _checked:
-        return
-    with _lock:
-        if _checked:
-            return
-        from tfserve import proto_build
-
-        if proto_build.is_stale():
-            proto_build.build()
-            importlib.invalidate_caches()
-        _checked = True
+class StubsMissingError(ImportError):
+    """The generated modules are not installed (a build without its stubs)."""
 
 
 def load() -> tuple[ModuleType, ModuleType]:
-    """(translator_pb2, translator_pb2_grpc), generated first when needed."""
-    ensure_generated()
-    pb2 = importlib.import_module("tfserve.proto.tfserve.v1.translator_pb2")
-    pb2_grpc = importlib.import_module("tfserve.proto.tfserve.v1.translator_pb2_grpc")
+    """(translator_pb2, translator_pb2_grpc), the shipped generated modules."""
+    try:
+        pb2 = importlib.import_module(f"{_PACKAGE}.translator_pb2")
+        pb2_grpc = importlib.import_module(f"{_PACKAGE}.translator_pb2_grpc")
+    except ModuleNotFoundError as exc:
+        # only our own generated modules count as missing stubs; a missing dependency
+        # (grpc, google.protobuf) keeps its own error
+        if not (exc.name or "").startswith("tfserve.proto.tfserve"):
+            raise
+        raise StubsMissingError(
+            MISSING.format(package=_PACKAGE, where=__path__[0]), name=exc.name) from exc
     return pb2, pb2_grpc
 
 
