@@ -11,6 +11,7 @@ the checkpoint on first use (that step needs the `export` extra: torch and onnx)
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -37,19 +38,47 @@ def checkpoint_digest() -> str:
     return digest.hexdigest()[:12]
 
 
+# what `python -m export` imports besides the serving path's dependencies (the export extra)
+EXPORT_MODULES = ("torch", "onnx", "onnxscript", "safetensors")
+
+
+class DemoUnavailableError(RuntimeError, ValueError):
+    """The demo is not exported and this install cannot export it (no export extra).
+
+    A ValueError too: at the command line it is a usage problem (pass --model DIR, or install
+    the extra), which the CLI reports in one line with exit code 2.
+    """
+
+
+def export_unavailable() -> str | None:
+    """Why this install cannot run `python -m export` ("No module named 'torch'"), or None."""
+    for name in EXPORT_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            return str(exc).splitlines()[0] if str(exc) else f"cannot import {name}"
+    return None
+
+
 def default_artifacts(quiet: bool = True) -> Path:
-    """The exported demo, exported now if this checkpoint was never exported here."""
+    """The exported demo, exported now if this checkpoint was never exported here.
+
+    Raises DemoUnavailableError before anything is printed when the export would fail for
+    want of the export extra (a serving-only install: `pip install tfserve`).
+    """
     out = cache_root() / f"{DEMO_NAME}-{checkpoint_digest()}"
     if (out / "model.json").is_file():
         return out
-    try:
-        from export.cli import main as export_main
-    except ImportError as exc:  # the serving-only install has no torch
-        raise RuntimeError(
-            "the demo model has not been exported yet and this install cannot export "
-            f"({exc}); install the export extra (pip install 'tfserve[export]') or pass "
-            "--model DIR with an artifacts directory"
-        ) from exc
+    # export.cli itself imports without torch; torch and onnx are imported when it runs, so
+    # check them here, where a missing one is still a clear message and not a traceback
+    missing = export_unavailable()
+    if missing is not None:
+        raise DemoUnavailableError(
+            "the demo model is not exported yet and this install cannot export it "
+            f"({missing}): pip install \"tfserve[export]\", or pass --model DIR with an "
+            "exported model")
+    from export.cli import main as export_main
+
     print(f"exporting the demo model to {out} (first use) ...", file=sys.stderr, flush=True)
     args = ["--checkpoint", str(CHECKPOINT_DIR), "--out", str(out), "--force"]
     code = export_main(args + (["--quiet"] if quiet else []))
