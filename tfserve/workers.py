@@ -193,7 +193,11 @@ def run_workers(config: ServerConfig) -> int:
     if config.model is None:  # export the bundled demo once here, not once per worker
         from tfserve.demo import default_artifacts
 
-        config = replace(config, model=default_artifacts())
+        try:
+            config = replace(config, model=default_artifacts())
+        except (ValueError, RuntimeError, OSError) as exc:
+            log.error("cannot serve: %s", exc)
+            return EXIT_USAGE
     try:
         reservation = reserve_port(config.host, config.port)
     except OSError as exc:
