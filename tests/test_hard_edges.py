@@ -528,3 +528,73 @@ def test_broken_artifacts_are_one_line_and_exit_2(tmp_path: Path, model: Path, h
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+# -- connection limits in motion -----------------------------------------------------------------
+
+
+def test_connections_are_recycled_after_their_age(model: Path) -> None:
+    """--max-connection-age-seconds: the server closes a connection once it is that old and
+    the client reconnects on its own (with --workers, the kernel then spreads it again, so a
+    restarted worker gets traffic back). Seen as a second client port in the access log; no
+    call fails."""
+    server = ServerProcess(server_args(model, "--max-connection-age-seconds", "0.5"))
+    try:
+        target = server.wait_serving()
+        peers: set[str] = set()
+        with Client(target, timeout=60) as client:
+            for number in range(100_000):  # ends when the state is seen
+                request_id = f"age-{number}"
+                client.translate(["seven"], max_new_tokens=1, request_id=request_id)
+                record = server.wait_for(lambda r, rid=request_id: r.get("request_id") == rid)
+                assert record["status"] == "OK"
+                peers.add(record["peer"])
+                if len(peers) == 2:
+                    break
+        assert len(peers) == 2
+    finally:
+        server.kill()
+
+
+def test_streams_beyond_the_per_connection_limit_wait(model: Path) -> None:
+    """--max-concurrent-streams 2: with two streams held open on a connection, a third call on
+    it cannot start (it ends at its own deadline), while another connection is served."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with ServerThread(server_args(model, "--max-concurrent-streams", "2")) as limited:
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        with grpc.insecure_channel(limited.target, options=options) as busy, \
+                grpc.insecure_channel(limited.target, options=options) as other:
+            stub = health_pb2_grpc.HealthStub(busy)
+            watches = [stub.Watch(health_pb2.HealthCheckRequest()) for _ in range(2)]
+            for watch in watches:
+                assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert health_pb2_grpc.HealthStub(other).Check(
+                health_pb2.HealthCheckRequest(), timeout=60).status == (
+                    health_pb2.HealthCheckResponse.SERVING)
+            for watch in watches:
+                watch.cancel()
+
+
+def test_large_requests_are_tokenized_off_the_event_loop(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    tokenizer = server.server.runtime.tokenizer
+    threads: list[tuple[int, str]] = []
+    real_encode = tokenizer.encode
+
+    def encode(text: str) -> list[int]:
+        threads.append((len(text), threading.current_thread().name))
+        return real_encode(text)
+
+    monkeypatch.setattr(tokenizer, "encode", encode)
+    with Client(server.target, timeout=60) as client:
+        client.translate(["seven"], max_new_tokens=1)
+        client.translate(["seven " * 900], max_new_tokens=1, truncate=True)  # 5400 characters
+    (small, small_thread), (large, large_thread) = threads
+    assert small == 5 and small_thread == "test-server"  # inline: cheaper than a hand-off
+    assert large == 5400 and large_thread != "test-server"
