@@ -304,3 +304,34 @@ def test_every_request_ends_once_whatever_call_fails() -> None:
                 assert isinstance(error, (ModelError, Cancelled, DeadlineExceeded)), error
                 outcomes["model_error"] += isinstance(error, ModelError)
     assert outcomes["answered"] and outcomes["model_error"]
+
+
+def test_rows_the_decoder_cannot_take_fail_only_their_request() -> None:
+    """A decoder run that fails for one request's rows (here: a source token the model
+    refuses) is tried member by member on copies: only that request fails, the others step on
+    and get their lone answers. A run that fails for every member alone fails them all."""
+
+    class RefusesToken13InSteps(FakeBackend):
+        def step(self, input_ids, position_ids, self_attention_mask,  # type: ignore[no-untyped-def]
+                 encoder_attention_mask, past, cross):
+            if (cross[0] == 13).any():
+                raise InjectedFault("token 13 in a step")
+            return super().step(input_ids, position_ids, self_attention_mask,
+                                encoder_attention_mask, past, cross)
+
+    scheduler = make_scheduler(RefusesToken13InSteps())
+    sources = [[4, 2, EOS], [13, 2, EOS], [5, EOS], [6, 3, 2, EOS]]
+    options = [OPTIONS[0], OPTIONS[1], OPTIONS[2], OPTIONS[3]]
+    jobs = [scheduler.submit_translate([source], option)
+            for source, option in zip(sources, options, strict=True)]
+    drive(scheduler, jobs)
+    assert isinstance(jobs[1].future.exception(0), ModelError)
+    for index in (0, 2, 3):
+        assert answer(jobs[index]) == alone(sources[index], options[index])
+    assert scheduler.metrics.value("tfserve_model_errors_total", {"stage": "step"}) == 1
+
+    # every member fails alone: the run's failure is everybody's
+    scheduler = make_scheduler(FaultyBackend(fail_ops={"step"}))
+    jobs = [scheduler.submit_translate([source], OPTIONS[0]) for source in ([4, EOS], [5, EOS])]
+    drive(scheduler, jobs)
+    assert all(isinstance(job.future.exception(0), ModelError) for job in jobs)

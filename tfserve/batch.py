@@ -28,6 +28,10 @@ from tfserve.generation import (
 )
 
 
+class BatchRunError(RuntimeError):
+    """The decoder run of a step failed; the batch is as it was before the step."""
+
+
 @dataclass
 class _Member:
     search: Search | _Retired
@@ -251,14 +255,17 @@ class DecodeBatch:
         # after the step (the backend only reads it)
         self_attention_mask = np.concatenate(
             [self.self_attention_mask, np.ones((self.rows, 1), np.int64)], axis=1)
-        out = self.backend.step(
-            self.last_tokens[:, None],  # [R,1]
-            self.position_ids[:, None],  # [R,1]
-            self_attention_mask,
-            encoder_attention_mask,
-            self.past,
-            cross,
-        )
+        try:
+            out = self.backend.step(
+                self.last_tokens[:, None],  # [R,1]
+                self.position_ids[:, None],  # [R,1]
+                self_attention_mask,
+                encoder_attention_mask,
+                self.past,
+                cross,
+            )
+        except Exception as exc:  # nothing has changed yet: the batch can be stepped again
+            raise BatchRunError(f"decoder run failed: {exc}") from exc
         self.steps += 1
         self.past = out.present
         self.self_attention_mask = self_attention_mask
@@ -318,6 +325,35 @@ class DecodeBatch:
             self._reorder(index, self.slots, None)  # the encoder side (per member) unchanged
         self.last_tokens = last_tokens
         return finished
+
+    def run_alone(self, tag: Any) -> BaseException | None:
+        """Run the decoder for one member's rows alone, on copies (the batch is unchanged);
+        returns the exception the run raised, or None. After a failed batch run, this finds
+        the rows the model cannot take, so that only their request fails."""
+        starts = np.cumsum([0] + [m.search.rows for m in self.slots])  # first row per slot
+        position = next((i for i, m in enumerate(self.slots)
+                         if m.tag is tag and not m.retired), None)
+        if position is None:
+            raise KeyError(f"no running member with tag {tag!r}")
+        row, rows = int(starts[position]), self.slots[position].search.rows
+        index = np.arange(row, row + rows)  # this member's rows
+        backend = self.backend
+        grouped = getattr(backend, "grouped_cross", False)
+        # its sentence's cross K/V once (grouped), or once per row
+        member_rows = np.full(1 if grouped or rows == 1 else rows, position)
+        try:
+            backend.step(
+                self.last_tokens[index][:, None],  # [r,1]
+                self.position_ids[index][:, None],  # [r,1]
+                np.concatenate([self.self_attention_mask[index],
+                                np.ones((rows, 1), np.int64)], axis=1),  # [r,P+1]
+                self.encoder_attention_mask[member_rows],  # [1 or r,S]
+                backend.take_rows(self.past, index),
+                backend.take_rows(self.cross, member_rows),
+            )
+        except Exception as exc:
+            return exc
+        return None
 
     def _used_columns(self) -> tuple[int, int]:
         """The first self-attention cache column some row uses, and the source length the

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from tfserve.batch import DecodeBatch, Joining
+from tfserve.batch import BatchRunError, DecodeBatch, Joining
 from tfserve.generation import Backend, DecodingOptions, Hypothesis, make_search
 from tfserve.metrics import Metrics
 from tfserve.translator import POOLINGS, encoder_hidden_states, length_groups, pool
@@ -730,6 +730,10 @@ class Scheduler:
         try:
             self._model_call("step")
             finished = batch.step()
+        except BatchRunError as exc:
+            if not self._isolate_failed_run(members, exc):
+                self._fail_batch("step", exc, {member.tag.job for member in members})
+            return
         except Exception as exc:
             # searches that finished before the failure have their answers: deliver them;
             # the batch's run failed for the others
@@ -765,6 +769,28 @@ class Scheduler:
                     self._item_done(item, search.results())
             except Exception as exc:  # this request's own bookkeeping: it alone fails
                 self._search_failed(item, exc)
+
+    def _isolate_failed_run(self, members: list[Any], exc: BatchRunError) -> bool:
+        """After a failed decoder run, run each member's rows alone: when some fail alone and
+        others do not, only the failing ones leave the batch and fail their requests; the
+        others step on at the next pass. False when no such split exists (every member fails
+        alone, or none does: the failure belongs to the whole run)."""
+        if len(members) < 2:
+            return False
+        culprits = []
+        for member in members:
+            error = self._batch.run_alone(member.tag)
+            if error is not None:
+                culprits.append((member.tag, error))
+        if not culprits or len(culprits) == len(members):
+            return False
+        self._batch.remove({item for item, _ in culprits})
+        for item, error in culprits:
+            log.error("model run failed (step) for one request: %s", error)
+            self.stats.model_errors += 1
+            self.metrics.model_errors.labels("step").inc()
+            item.job._fail(ModelError(f"model run failed (step): {error}"))
+        return True
 
     def _search_failed(self, item: _Item, exc: BaseException) -> None:
         """One search failed on its own (not the batch's run): only its request fails."""
