@@ -237,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     greedy = parity.get("greedy") or parity.get("greedy_random_sources") or {}
     summary = f"max |logits diff| {figures['max_logits']:.2e}" if figures else parity.get(
         "note", "")
+    if figures and "max_rel_diff" in parity:
+        summary += f" (relative {parity['max_rel_diff']['max_logits']:.2e}"
+        if "tolerance_ratio" in parity:
+            summary += f", {parity['tolerance_ratio']:.2g} of the tolerance"
+        summary += ")"
     if greedy.get("sentences"):
         summary += f", greedy identical {greedy['identical']}/{greedy['sentences']}"
     status = "passed" if parity["passed"] else "FAILED (published with --force)"

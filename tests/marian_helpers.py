@@ -139,19 +139,26 @@ def randomize(model, seed: int, eos_boost: float = 1.5, gain: float = 2.0) -> No
 
 def write_checkpoint(directory: Path, source_spm: bytes, target_spm: bytes,
                      vocab: dict[str, int], weights: str = "safetensors", seed: int = 0,
-                     eos_boost: float = 1.5, **config_overrides: Any):
+                     eos_boost: float = 1.5, init_std: float | None = None,
+                     **config_overrides: Any):
     """A MarianMT checkpoint directory; returns the transformers model (eval mode).
 
     weights: "safetensors" (save_pretrained), "sharded" (save_pretrained in small shards) or
     "bin" (pytorch_model.bin holding the full state dict with its tied aliases and position
     tables, the layout of older checkpoints; transformers 5 always writes safetensors).
+    init_std: keep transformers' own initialization, normal(0, init_std) for every projection
+    and embedding (LayerNorms at 1 and 0, no logits bias), instead of `randomize`; with
+    init_std 0.5 and d_model 128 the logits reach |20| (large-logit parity tests).
     """
     from transformers import MarianMTModel, MarianTokenizer
 
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
+    if init_std is not None:
+        config_overrides["init_std"] = init_std
     model = MarianMTModel(marian_config(len(vocab), **config_overrides))
-    randomize(model, seed, eos_boost)
+    if init_std is None:
+        randomize(model, seed, eos_boost)
     if not model.config.tie_word_embeddings:
         # transformers 5 ties nothing when tie_word_embeddings is false, not even the encoder
         # and decoder tables to `shared`: keep one token table (tfserve's model has one) and

@@ -132,8 +132,13 @@ def test_manifest_records_interface_and_parity() -> None:
     assert manifest["graphs"]["decoder"]["inputs"][:4] == [
         "input_ids", "position_ids", "self_attention_mask", "encoder_attention_mask"]
     assert manifest["graphs"]["encoder"]["outputs"][0] == "encoder_hidden_states"
-    assert manifest["parity"]["passed"] is True
-    assert manifest["parity"]["max_abs_diff"]["max_logits"] <= FP32_LOGITS_TOLERANCE
+    parity = manifest["parity"]
+    assert parity["passed"] is True
+    assert parity["max_abs_diff"]["max_logits"] <= FP32_LOGITS_TOLERANCE
+    assert set(parity["max_rel_diff"]) == {"first_step_logits", "cached_step_logits",
+                                           "cached_multi_token_step_logits", "max_logits"}
+    assert parity["tolerance"]["atol"] == parity["tolerance"]["rtol"] == 1e-4
+    assert 0 <= parity["tolerance_ratio"] <= 1 and parity["max_abs_logits"] > 0
     assert len(manifest["provenance"]["source_sha256"]) == 64
     assert manifest["special_tokens"] == {"pad": 0, "eos": 1, "unk": 2, "decoder_start": 0}
     import onnx
@@ -309,7 +314,7 @@ def test_unwritable_out_as_file(tmp_path: Path) -> None:
 def test_parity_failure_refuses_and_force_publishes(tmp_path: Path, monkeypatch) -> None:
     import export.verify as verify
 
-    monkeypatch.setitem(verify.TOLERANCES, "fp32", 0.0)
+    monkeypatch.setitem(verify.TOLERANCES, "fp32", verify.Tolerance(atol=0.0, rtol=0.0))
     out = tmp_path / "o"
     assert export_main(["--checkpoint", str(checkpoint()), "--out", str(out), "--quiet",
                         "--parity-samples", "0"]) == 1
@@ -319,6 +324,26 @@ def test_parity_failure_refuses_and_force_publishes(tmp_path: Path, monkeypatch)
                         "--parity-samples", "0", "--force"]) == 0
     report = json.loads((out / "model.json").read_text())["parity"]
     assert report["passed"] is False and report["failures"]
+    assert report["tolerance_ratio"] > 1e30  # anything but equality, and finite JSON
+
+
+def test_tolerance_scales_with_each_rows_logits() -> None:
+    """|diff| <= atol + rtol * (largest |logit| of the row): a row of large logits allows a
+    larger difference, on its small logits too; a row of small logits keeps atol."""
+    from export.verify import Tolerance, relative_diff
+
+    tolerance = Tolerance(atol=1e-4, rtol=1e-4)
+    ref = np.array([[[20.0, 0.0, -3.0], [0.5, 0.0, -0.25]]], np.float32)  # [B=1,T=2,V=3]
+    # row 0 allows 1e-4 + 1e-4 * 20 = 2.1e-3 everywhere, row 1 allows 1.5e-4
+    got = ref + np.array([[[0.0, 1.05e-3, 0.0], [0.0, 0.0, 0.0]]], np.float32)
+    assert tolerance.ratio(got, ref) == pytest.approx(0.5, rel=1e-3)
+    assert relative_diff(got, ref) == pytest.approx(1.05e-3 / 20, rel=1e-3)
+    got = ref + np.array([[[0.0, 0.0, 0.0], [0.0, 3e-4, 0.0]]], np.float32)
+    assert tolerance.ratio(got, ref) == pytest.approx(2.0, rel=1e-3)
+    assert relative_diff(got, ref) == pytest.approx(3e-4 / 0.5, rel=1e-3)
+    assert tolerance.ratio(ref, ref) == 0.0
+    assert Tolerance(0.0, 0.0).ratio(ref, ref) == 0.0
+    assert 1e30 < Tolerance(0.0, 0.0).ratio(got, ref) < float("inf")
 
 
 def test_interrupted_export_leaves_nothing(tmp_path: Path, monkeypatch) -> None:

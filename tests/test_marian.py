@@ -4,7 +4,10 @@ Every checkpoint is built here with random weights (tests/marian_helpers.py): no
 downloaded. transformers is a test-only dependency; without it this module is skipped.
 
 - the tokenizer (vocab mode: source.spm -> vocab.json ids + </s>) gives MarianTokenizer's ids;
+- decoding any id sequence of vocab.json gives MarianTokenizer.decode's text;
 - logits of the imported eager model and of the exported ONNX graphs match MarianMTModel's;
+- a model whose logits reach |20| passes the export's parity check (the tolerance scales
+  with the logits) and an export whose graph is corrupted is refused;
 - greedy and beam-4 search (tfserve.generation over ONNX Runtime and over the eager model)
   give MarianMTModel.generate's tokens;
 - unsupported checkpoints and missing files are refused with the file or field named
@@ -188,6 +191,25 @@ def test_target_side_and_decoding_match_marian_tokenizer(checkpoints, hf_tokeniz
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
     ids = ours.encode_target("cœur ☃")
     assert (ours.decode(ids), theirs.decode(ids, skip_special_tokens=True)) == ("cœur", "cœur")
+
+
+@pytest.mark.parametrize("name", ["a", "b"])
+def test_decoding_random_ids_matches_marian_tokenizer(name, checkpoints, hf_tokenizers):
+    """1,000 random id sequences over the whole vocab.json: source-only pieces (unknown to
+    target.spm), the specials and, in b, the language codes; identical text."""
+    directory = checkpoints[name][0]
+    ours = Tokenizer(directory, import_hf(directory).tokenizer_spec)
+    theirs = hf_tokenizers[name]
+    vocab = json.loads((directory / "vocab.json").read_text(encoding="utf-8"))
+    ids = sorted(vocab.values())
+    target_pieces = set(mh.spm_pieces((directory / "target.spm").read_bytes()))
+    assert {p for p in vocab if p not in target_pieces and p.startswith("\u2581")}, \
+        "the vocabulary holds word pieces that target.spm does not know"
+    rng = np.random.default_rng(len(name))
+    for _ in range(1000):
+        sequence = rng.choice(ids, size=int(rng.integers(0, 25))).tolist()
+        assert ours.decode(sequence) == theirs.decode(sequence, skip_special_tokens=True), \
+            [ours.id_to_token(i) for i in sequence]
 
 
 def test_language_code_prefix(checkpoints, hf_tokenizers):
@@ -447,6 +469,96 @@ def test_generate_defaults_of_opus_mt(checkpoints, sources, search_backends):
                        DecodingOptions(max_new_tokens=MAX_NEW_TOKENS - 1))
     assert [r[0].token_ids for r in results] == expected
     assert sum(len(t) == MAX_NEW_TOKENS - 1 for t in expected) >= 5  # forced eos happened
+
+
+# -- parity check on large logits -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def large_logits(tmp_path_factory, spm_models):
+    """A checkpoint with transformers' own initialization at std 0.5 and d_model 128: logits
+    reach |20|, where fp32 rounding alone differs by more than 1e-4 between backends."""
+    source, target = spm_models
+    vocab = mh.build_vocab(source, target)
+    directory = tmp_path_factory.mktemp("hf") / "opus-mt-en-fr-large-logits"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mh.write_checkpoint(directory, source, target, vocab, init_std=0.5,
+                                    d_model=128, encoder_attention_heads=4,
+                                    decoder_attention_heads=4, encoder_ffn_dim=256,
+                                    decoder_ffn_dim=256)
+        tokenizer = transformers.MarianTokenizer.from_pretrained(str(directory))
+    return directory, model, tokenizer
+
+
+def test_large_logits_pass_the_parity_check(large_logits, tmp_path):
+    directory, model, tokenizer = large_logits
+    out = tmp_path / "out"
+    assert export_main(["--from-hf", str(directory), "--out", str(out), "--quiet"]) == 0
+    parity = json.loads((out / "model.json").read_text(encoding="utf-8"))["parity"]
+    abs_diff, rel_diff = parity["max_abs_diff"]["max_logits"], parity["max_rel_diff"]["max_logits"]
+    print(f"large logits: max |logit| {parity['max_abs_logits']:.1f}, max |diff| {abs_diff:.3g}, "
+          f"relative {rel_diff:.3g}, {parity['tolerance_ratio']:.3g} of the tolerance")
+    assert parity["max_abs_logits"] >= 20
+    assert parity["passed"] and not parity["failures"]
+    assert parity["tolerance"]["atol"] == parity["tolerance"]["rtol"] == 1e-4
+    assert parity["tolerance_ratio"] <= 1.0
+    # the fields the server reports stay where it reads them
+    assert parity["precision"] == "fp32" and parity["device"] == "cpu"
+    assert parity["greedy_random_sources"]["agreement"] == 1.0
+    assert parity["greedy"]["agreement"] == 1.0
+    # and the export is exact where it counts: greedy tokens of transformers
+    batch = tokenizer(mh.corpus(mh.SOURCE_WORDS, 20, seed=5), return_tensors="pt",
+                      padding=True)
+    expected, _ = hf_generate(model, batch, num_beams=1)
+    results = tfserve_search(Runtime(out, intra_op_threads=1), batch, "greedy")
+    assert [r[0].token_ids for r in results] == expected
+
+
+def corrupt_output_projection(path: Path, vocab_size: int, factor: float) -> None:
+    """Scale one token's column of the graph's output projection [D,V] by `factor`."""
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(path))
+    for tensor in graph.graph.initializer:
+        weights = numpy_helper.to_array(tensor)
+        if weights.ndim == 2 and weights.shape[1] == vocab_size:
+            weights = weights.copy()
+            weights[:, 5] *= factor
+            tensor.CopyFrom(numpy_helper.from_array(weights, tensor.name))
+            onnx.save(graph, str(path))
+            return
+    raise AssertionError(f"no [D,{vocab_size}] output projection among {path}'s initializers")
+
+
+def test_corrupted_graph_fails_the_parity_check(large_logits, tmp_path, monkeypatch, capsys):
+    """One token's output weights 1% off in decoder.onnx: its logits move by about 1% of
+    their size, far outside the tolerance, so the export is refused; --force publishes it
+    with the failure recorded."""
+    import export.graphs as graphs
+
+    directory, model, _ = large_logits
+    store = graphs.store_weights_externally
+
+    def corrupt_then_store(staging: Path, files: list[str]) -> None:
+        corrupt_output_projection(staging / "decoder.onnx", model.config.vocab_size, 1.01)
+        store(staging, files)
+
+    monkeypatch.setattr(graphs, "store_weights_externally", corrupt_then_store)
+    out = tmp_path / "out"
+    assert export_main(["--from-hf", str(directory), "--out", str(out), "--quiet"]) == 1
+    assert not out.exists()
+    err = capsys.readouterr().err
+    assert "parity check failed, nothing written: logits differ by up to" in err, err
+    assert export_main(["--from-hf", str(directory), "--out", str(out), "--quiet",
+                        "--force"]) == 0
+    parity = json.loads((out / "model.json").read_text(encoding="utf-8"))["parity"]
+    print(f"corrupted: max |diff| {parity['max_abs_diff']['max_logits']:.3g}, relative "
+          f"{parity['max_rel_diff']['max_logits']:.3g}, {parity['tolerance_ratio']:.3g} of the "
+          "tolerance")
+    assert not parity["passed"] and parity["tolerance_ratio"] > 1.0
+    assert parity["failures"][0].startswith("logits differ by up to")
 
 
 # -- refusals -------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ Pure JSON + dataclasses: part of the serving path.
 from __future__ import annotations
 
 import json
+import mmap
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,3 +174,154 @@ class Manifest:
                 raise ManifestError(f"{path}: tokenizer.{field_name} is {value}, outside the "
                                     f"vocabulary [0, {vocab_size})")
         return manifest
+
+
+# -- what a graph file declares ---------------------------------------------------------------
+# A minimal reader of the ONNX protobuf: the serving path has no `onnx` package, and ONNX
+# Runtime does not show a graph's initializers. It reads names, shapes, node inputs and
+# external data locations, and skips tensor contents (a graph with its weights inside is
+# read through a memory map, never copied). Field numbers from onnx/onnx.proto.
+_MODEL_GRAPH = 7
+_GRAPH_NODE, _GRAPH_INITIALIZER = 1, 5
+_NODE_INPUT, _NODE_OUTPUT, _NODE_OP_TYPE, _NODE_ATTRIBUTE = 1, 2, 4, 5
+_ATTRIBUTE_TENSOR = 5
+_TENSOR_DIMS, _TENSOR_NAME, _TENSOR_EXTERNAL_DATA = 1, 8, 13
+_ENTRY_KEY, _ENTRY_VALUE = 1, 2
+_VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
+
+
+@dataclass
+class GraphFacts:
+    """What an ONNX file declares, read without running it."""
+
+    tensors: dict[str, tuple[int, ...]]  # initializers and Constant outputs -> their dims
+    nodes: list[tuple[str, list[str]]]  # (op_type, inputs) of the top-level nodes
+    external_files: set[str]  # external data locations its tensors name
+
+    def position_tables(self) -> list[tuple[str, int]]:
+        """(name, rows) of the position tables the graph reads: RotaryEmbedding's cos cache,
+        and 2-D constant tables a Gather reads at positions (position_ids, or positions the
+        graph computes); the token table, read at input_ids, is not one."""
+        tables = []
+        for op_type, inputs in self.nodes:
+            if op_type == "RotaryEmbedding" and len(inputs) >= 3:
+                name = inputs[2]  # (input, position_ids, cos_cache, sin_cache)
+            elif op_type == "Gather" and len(inputs) == 2 and inputs[1] != "input_ids":
+                name = inputs[0]  # (data, indices)
+            else:
+                continue
+            dims = self.tensors.get(name)
+            if dims is not None and len(dims) == 2:
+                tables.append((name, dims[0]))
+        return tables
+
+
+def read_graph_facts(path: Path) -> GraphFacts:
+    """GraphFacts of an ONNX file; ManifestError naming the file when it is not one."""
+    try:
+        with path.open("rb") as handle:
+            if not path.stat().st_size:
+                raise ValueError("the file is empty")
+            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                return _model_facts(data)
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot read the graph ({exc.strerror or exc})") from None
+    except (ValueError, IndexError, UnicodeDecodeError) as exc:
+        detail = str(exc) if isinstance(exc, ValueError) else "truncated or malformed"
+        raise ManifestError(f"{path}: not a loadable ONNX graph ({detail})") from None
+
+
+def _model_facts(data: mmap.mmap) -> GraphFacts:
+    facts = GraphFacts({}, [], set())
+    graphs = [(a, b) for number, wire, a, b in _fields(data, 0, len(data))
+              if number == _MODEL_GRAPH and wire == _LENGTH]
+    if not graphs:
+        raise ValueError("no graph in the file")
+    for start, end in graphs:
+        for number, wire, a, b in _fields(data, start, end):
+            if wire != _LENGTH:
+                continue
+            if number == _GRAPH_INITIALIZER:
+                _tensor_facts(data, a, b, None, facts)
+            elif number == _GRAPH_NODE:
+                _node_facts(data, a, b, facts)
+    return facts
+
+
+def _node_facts(data: mmap.mmap, start: int, end: int, facts: GraphFacts) -> None:
+    inputs, outputs, op_type, tensors = [], [], "", []
+    for number, wire, a, b in _fields(data, start, end):
+        if wire != _LENGTH:
+            continue
+        if number == _NODE_INPUT:
+            inputs.append(data[a:b].decode("utf-8"))
+        elif number == _NODE_OUTPUT:
+            outputs.append(data[a:b].decode("utf-8"))
+        elif number == _NODE_OP_TYPE:
+            op_type = data[a:b].decode("utf-8")
+        elif number == _NODE_ATTRIBUTE:
+            tensors += [(c, d) for n, w, c, d in _fields(data, a, b)
+                        if n == _ATTRIBUTE_TENSOR and w == _LENGTH]
+    facts.nodes.append((op_type, inputs))
+    for a, b in tensors:  # a Constant's value: its output is the tensor
+        _tensor_facts(data, a, b, outputs[0] if op_type == "Constant" and outputs else None,
+                      facts)
+
+
+def _tensor_facts(data: mmap.mmap, start: int, end: int, name: str | None,
+                  facts: GraphFacts) -> None:
+    dims: list[int] = []
+    for number, wire, a, b in _fields(data, start, end):
+        if number == _TENSOR_DIMS and wire == _VARINT:
+            dims.append(a)
+        elif number == _TENSOR_DIMS and wire == _LENGTH:  # packed
+            position = a
+            while position < b:
+                value, position = _varint(data, position)
+                dims.append(value)
+        elif number == _TENSOR_NAME and wire == _LENGTH and name is None:
+            name = data[a:b].decode("utf-8")
+        elif number == _TENSOR_EXTERNAL_DATA and wire == _LENGTH:
+            entry = {n: data[c:d].decode("utf-8") for n, w, c, d in _fields(data, a, b)
+                     if w == _LENGTH}
+            if entry.get(_ENTRY_KEY) == "location" and _ENTRY_VALUE in entry:
+                facts.external_files.add(entry[_ENTRY_VALUE])
+    if name:
+        facts.tensors[name] = tuple(dims)
+
+
+def _fields(data: mmap.mmap, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """The fields of the message in data[start:end] as (number, wire type, a, b): a varint's
+    value in a, a length-delimited field's bytes at data[a:b]; fixed-size fields skipped."""
+    position = start
+    while position < end:
+        key, position = _varint(data, position)
+        number, wire = key >> 3, key & 7
+        if wire == _VARINT:
+            value, position = _varint(data, position)
+            yield number, wire, value, 0
+        elif wire == _LENGTH:
+            length, position = _varint(data, position)
+            if position + length > end:
+                raise ValueError("truncated: a field runs past the end of its message")
+            yield number, wire, position, position + length
+            position += length
+        elif wire in (_FIXED64, _FIXED32):
+            position += 8 if wire == _FIXED64 else 4
+        else:
+            raise ValueError(f"wire type {wire} is not in ONNX files")
+    if position != end:
+        raise ValueError("truncated: a field runs past the end of its message")
+
+
+def _varint(data: mmap.mmap, position: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
+        if shift > 63:
+            raise ValueError("a malformed varint")

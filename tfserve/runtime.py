@@ -28,10 +28,14 @@ import onnxruntime as ort
 from tfserve.generation import StepOutput, narrow_first, numpy_pool
 from tfserve.manifest import (
     GROUPED_CROSS_REVISION,
+    MANIFEST_FILE,
     TOP_OUTPUTS,
+    GraphFacts,
     Manifest,
+    ManifestError,
     decoder_io,
     encoder_io,
+    read_graph_facts,
 )
 from tfserve.tokenizer import Tokenizer
 
@@ -169,6 +173,11 @@ class Runtime:
         session_args = dict(device=device, intra_op_threads=intra_op_threads,
                             inter_op_threads=inter_op_threads, optimization=optimization,
                             allow_spinning=allow_spinning)
+        # read before ONNX Runtime opens them: their external data must lie in the directory
+        encoder_facts = _graph_facts(self.directory / self.manifest.encoder_file,
+                                     self.directory)
+        decoder_facts = _graph_facts(self.directory / self.manifest.decoder_file,
+                                     self.directory)
         self.encoder = _load_graph(self.directory / self.manifest.encoder_file, session_args)
         self.decoder = _load_graph(self.directory / self.manifest.decoder_file, session_args)
         self.float_dtype = np.float16 if self.manifest.dtype == "fp16" else np.float32
@@ -198,36 +207,107 @@ class Runtime:
 
             self.cache_ops = DeviceCacheOps(2 * self.layers, self.float_dtype, self.device_kind,
                                             self.device_index, self.decoder.get_providers())
-        self._check_against_graphs()
+        self._check_against_graphs(encoder_facts, decoder_facts)
 
-    def _check_against_graphs(self) -> None:
-        """Run the graphs once at the manifest's limits: a manifest that claims more than its
-        graphs take (vocabulary, positions) is refused now, naming the field, instead of
-        failing requests later."""
-        manifest_file = self.directory / "model.json"
+    def _check_against_graphs(self, encoder_facts: GraphFacts,
+                              decoder_facts: GraphFacts) -> None:
+        """Refuse, naming the field, its value and the graph's figure, a manifest that claims
+        what its graphs do not take, instead of failing requests later (or, on CUDA, where an
+        out-of-range position is not an error, answering from garbage).
+
+        From the loaded graphs' inputs and outputs: the layers (the names), heads, head dim and
+        float type (past_key_0 [B,H,P,Dh]), the vocabulary (logits [B,T,V]). From the files:
+        the position tables (RotaryEmbedding cos/sin caches, sinusoidal or learned tables)
+        bound max_source_positions and max_target_positions; graphs that compute positions
+        (fp16 RoPE) have no bound. Then one decoder step at the last target position runs,
+        which proves that the graphs run together and, on CPU, that the position is taken.
+        """
+        where = self.directory / MANIFEST_FILE
         cfg = self.config
-        length = cfg.max_source_positions
-        input_ids = np.full((1, length), cfg.eos_token_id, np.int64)  # [1,S]
+        files = {"encoder": self.manifest.encoder_file, "decoder": self.manifest.decoder_file}
+        expected = {"encoder": (self.encoder_inputs, self.encoder_outputs),
+                    "decoder": (self.decoder_inputs, self.decoder_outputs)}
+        for graph, loaded in (("encoder", self.encoder), ("decoder", self.decoder)):
+            inputs = {value.name for value in loaded.get_inputs()}
+            outputs = {value.name for value in loaded.get_outputs()}
+            # layers: the decoder takes past_key_l and the encoder gives cross_key_l per layer
+            marker, names = ("cross_key_", outputs) if graph == "encoder" else ("past_key_",
+                                                                                 inputs)
+            layers = sum(name.startswith(marker) for name in names)
+            if layers != cfg.decoder_layers:
+                raise ValueError(f"{where}: model.decoder_layers is {cfg.decoder_layers}, but "
+                                 f"{files[graph]} has {layers} decoder layers ({marker}*)")
+            wanted_in, wanted_out = expected[graph]
+            for kind, wanted, have in (("input", wanted_in, inputs),
+                                       ("output", wanted_out, outputs)):
+                missing = [name for name in wanted if name not in have]
+                if missing:
+                    raise ValueError(f"{where}: {files[graph]} has no {kind} {missing[0]!r}: "
+                                     f"not a tfserve {graph} graph")
+            extra = sorted(inputs - set(wanted_in))
+            if extra:
+                raise ValueError(f"{where}: {files[graph]} takes an input {extra[0]!r} that "
+                                 f"the {graph} interface does not have")
+        past = next(v for v in self.decoder.get_inputs() if v.name == "past_key_0")
+        heads, head_dim = past.shape[1], past.shape[3]  # [B,H,P,Dh]
+        if isinstance(heads, int) and heads != cfg.num_heads:
+            raise ValueError(f"{where}: model.num_heads is {cfg.num_heads}, but "
+                             f"{files['decoder']}'s past_key_0 has {heads} heads")
+        if isinstance(head_dim, int) and head_dim != cfg.head_dim:
+            raise ValueError(f"{where}: model.d_model {cfg.d_model} / num_heads "
+                             f"{cfg.num_heads} is a head dim of {cfg.head_dim}, but "
+                             f"{files['decoder']}'s past_key_0 has {head_dim}")
+        float_type = "tensor(float16)" if self.manifest.dtype == "fp16" else "tensor(float)"
+        if past.type != float_type:
+            raise ValueError(f"{where}: dtype is {self.manifest.dtype}, but "
+                             f"{files['decoder']}'s past_key_0 is {past.type}")
+        logits = next(v for v in self.decoder.get_outputs() if v.name == "logits")
+        vocab = logits.shape[-1]  # [B,T,V]
+        if isinstance(vocab, int) and vocab != cfg.vocab_size:
+            raise ValueError(f"{where}: model.vocab_size is {cfg.vocab_size}, but the decoder "
+                             f"graph's logits have {vocab} entries ({files['decoder']})")
+        if self.tokenizer.vocab_size > cfg.vocab_size:
+            name = self.manifest.tokenizer.vocab or self.manifest.tokenizer.source
+            raise ValueError(f"{where}: model.vocab_size is {cfg.vocab_size}, but the "
+                             f"tokenizer ({name}) has {self.tokenizer.vocab_size} ids")
+        for graph, facts, field_name, limit in (
+                ("encoder", encoder_facts, "max_source_positions", cfg.max_source_positions),
+                ("decoder", decoder_facts, "max_target_positions", cfg.max_target_positions)):
+            tables = facts.position_tables()
+            if not tables:
+                continue
+            table, rows = min(tables, key=lambda item: item[1])
+            if limit > rows:
+                takes = (f"the encoder graph cannot take {limit} tokens" if graph == "encoder"
+                         else f"the decoder graph cannot take position {limit - 1}")
+                raise ValueError(f"{where}: model.{field_name} is {limit}, but {takes}: "
+                                 f"{files[graph]}'s position table {table!r} has {rows} rows")
+        self._run_once(files)
+
+    def _run_once(self, files: dict[str, str]) -> None:
+        """Encode one token and decode one step at the last target position."""
+        where = self.directory / MANIFEST_FILE
+        cfg = self.config
+        input_ids = np.array([[cfg.eos_token_id]], np.int64)  # [1,1]
         try:
             _, cross = self.encode(input_ids, np.ones_like(input_ids))
-        except Exception as exc:
-            raise ValueError(f"{manifest_file}: the encoder graph cannot take "
-                             f"model.max_source_positions {length} tokens ({_first_line(exc)})"
-                             ) from None
+        except Exception as exc:  # onnxruntime's own classes too
+            raise ValueError(f"{self.directory / files['encoder']}: the encoder graph does "
+                             f"not run ({_first_line(exc)})") from None
         last = cfg.max_target_positions - 1
         try:
             out = self.step(np.array([[cfg.decoder_start_token_id]], np.int64),  # [1,1]
                             np.array([[last]], np.int64),  # [1,1]: the last position
-                            np.ones((1, 1), np.int64), np.ones((1, length), np.int64),
+                            np.ones((1, 1), np.int64), np.ones((1, 1), np.int64),
                             self.empty_past(1), cross)
         except Exception as exc:
-            raise ValueError(f"{manifest_file}: the decoder graph cannot take position {last} "
+            raise ValueError(f"{where}: the decoder graph cannot take position {last} "
                              f"(model.max_target_positions {cfg.max_target_positions}): "
                              f"{_first_line(exc)}") from None
         vocab = out.logits.shape[-1]  # [1,1,V]
         if vocab != cfg.vocab_size:
-            raise ValueError(f"{manifest_file}: model.vocab_size is {cfg.vocab_size}, but the "
-                             f"decoder graph's logits have {vocab} entries")
+            raise ValueError(f"{where}: model.vocab_size is {cfg.vocab_size}, but the decoder "
+                             f"graph's logits have {vocab} entries ({files['decoder']})")
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -449,6 +529,18 @@ def _int64(array: np.ndarray) -> np.ndarray:
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def _graph_facts(path: Path, directory: Path) -> GraphFacts:
+    """What the graph file declares; its external data files confined to `directory`."""
+    facts = read_graph_facts(path)
+    root = directory.resolve()
+    for location in sorted(facts.external_files):
+        # an absolute location replaces the base in the join; links are resolved
+        if not (path.parent / location).resolve().is_relative_to(root):
+            raise ManifestError(f"{path} names external data {location!r}, which is outside "
+                                f"{directory}")
+    return facts
 
 
 def _load_graph(path: Path, session_args: dict[str, Any]) -> ort.InferenceSession:

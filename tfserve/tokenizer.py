@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
+WORD_BOUNDARY = "\u2581"  # SentencePiece's word-boundary mark '▁', a space in decoded text
+
 
 class TokenizerError(ValueError):
     """Bad tokenizer files or input; the message names the file or field."""
@@ -172,8 +174,12 @@ class Tokenizer:
             kept = [i for i in kept if 0 <= i < self.vocab_size]
             return self.target_spm.DecodeIds(kept).strip()
         pieces = [self.id_to_piece[i] for i in kept if i in self.id_to_piece]
-        # strip: a dropped unk can leave a space at either end
-        return self.target_spm.DecodePieces(pieces).strip()
+        # A shared vocab.json holds source pieces that target.spm does not know, and
+        # SentencePiece copies an unknown piece verbatim, word-boundary marks included
+        # ('▁w5▁w6'); every mark left is a space, as MarianTokenizer.convert_tokens_to_string
+        # makes it. strip: a dropped unk can leave a space at either end.
+        text = self.target_spm.DecodePieces(pieces).replace(WORD_BOUNDARY, " ")
+        return text.strip()
 
     def id_to_token(self, token_id: int) -> str:
         if self.id_to_piece is not None:

@@ -13,7 +13,10 @@ logits bias [1, V] that is not a parameter in transformers. `model_config` maps 
 shape-checked before it is loaded.
 
 Tokenizer: MarianTokenizer splits the source text with source.spm, maps the pieces through
-vocab.json (pieces missing from it become <unk>) and appends </s>; decoding uses target.spm.
+vocab.json (pieces missing from it become <unk>) and appends </s>; decoding joins the pieces
+with target.spm and turns every word-boundary mark left (pieces target.spm does not know are
+copied verbatim) into a space (transformers 5 joins with source.spm when the vocabulary is
+shared: the same text, tests/test_marian.py::test_decoding_random_ids_matches_marian_tokenizer).
 That is `tfserve.tokenizer.Tokenizer` in vocab mode, so the artifacts carry the three files
 and a `TokenizerSpec` naming them. (What MarianTokenizer does beyond that, a leading `>>xx<<`
 language code and special-token strings inside the text, is listed in tests/test_marian.py.)
