@@ -43,8 +43,8 @@ import numpy as np
 
 from tfserve.batch import BatchRunError, DecodeBatch, Joining
 from tfserve.generation import Backend, DecodingOptions, Hypothesis, make_search
+from tfserve.inputs import POOLINGS, encoder_hidden_states, length_groups, pool
 from tfserve.metrics import Metrics
-from tfserve.translator import POOLINGS, encoder_hidden_states, length_groups, pool
 
 log = logging.getLogger("tfserve.scheduler")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from tfserve.argparsing import OneLineParser, add_version, program_name
+from tfserve.inputs import DEFAULT_MAX_TEXTS
 from tfserve.scheduler import SchedulerConfig
-from tfserve.translator import DEFAULT_MAX_TEXTS
 from tfserve.version import __version__
 
 ENV_PREFIX = "TFSERVE_"
