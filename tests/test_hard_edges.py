@@ -474,62 +474,6 @@ def test_metrics_bind_their_own_host_and_answer_only_on_metrics(model: Path) -> 
             assert raised.value.code == 404
 
 
-# -- start-up: broken artifacts --------------------------------------------------------------
-
-
-def _break(directory: Path, how: str) -> str:
-    """Break a copy of the artifacts; returns what the error must name."""
-    manifest_path = directory / "model.json"
-    manifest = json.loads(manifest_path.read_text())
-    encoder = directory / manifest["graphs"]["encoder"]["file"]
-    if how == "empty":
-        encoder.write_bytes(b"")
-        return "encoder.onnx: not a loadable ONNX graph"
-    if how == "random":
-        encoder.write_bytes(os.urandom(4096))
-        return "encoder.onnx: not a loadable ONNX graph"
-    if how == "truncated":
-        encoder.write_bytes(encoder.read_bytes()[: encoder.stat().st_size // 2])
-        return "encoder.onnx: not a loadable ONNX graph"
-    if how == "outside":
-        manifest["graphs"]["encoder"]["file"] = "../../../etc/passwd"
-        message = "names '../../../etc/passwd', which is outside"
-    elif how == "vocab":
-        manifest["model"]["vocab_size"] = 5
-        message = "model.vocab_size is 5, but the decoder graph's logits have 111 entries"
-    elif how == "positions":
-        manifest["model"]["max_target_positions"] = 100000
-        message = "the decoder graph cannot take position 99999"
-    elif how == "eos":
-        manifest["model"]["eos_token_id"] = 999
-        message = "model.json: eos_token_id must be an integer in [0, vocab_size=111), got 999"
-    else:
-        manifest["tokenizer"]["eos_token_id"] = 999
-        message = "tokenizer.eos_token_id is 999, outside the vocabulary [0, 111)"
-    manifest_path.write_text(json.dumps(manifest))
-    return message
-
-
-@pytest.mark.parametrize("how", ["empty", "random", "truncated", "outside", "vocab", "positions",
-                                 "eos", "tokenizer-eos"])
-def test_broken_artifacts_are_one_line_and_exit_2(tmp_path: Path, model: Path, how: str) -> None:
-    import shutil
-
-    from tfserve.runtime import Runtime
-
-    broken = tmp_path / "artifacts"
-    shutil.copytree(model, broken)
-    message = _break(broken, how)
-    with pytest.raises(ValueError, match=__import__("re").escape(message)):
-        Runtime(broken, intra_op_threads=1)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tfserve", "serve", *server_args(broken)], cwd=ROOT,
-        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], proc.stderr
-
-
 # -- connection limits in motion -----------------------------------------------------------------
 
 
