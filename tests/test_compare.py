@@ -1,6 +1,6 @@
-"""tfserve.compare: the engines benchmark (tfserve vs CTranslate2 vs Hugging Face).
+"""tfserve.bench.compare: the engines benchmark (tfserve vs CTranslate2 vs Hugging Face).
 
-The smoke test runs `python -m tfserve.compare --quick` end to end (tiny random Marian
+The smoke test runs `python -m tfserve.bench.compare --quick` end to end (tiny random Marian
 checkpoint, every engine in its own child process); it takes about a minute, so it is slow.
 """
 
@@ -10,19 +10,19 @@ import json
 
 import pytest
 
-from tfserve import compare
+from tfserve.bench import compare, engines, models, report
 
 
 def test_marian_vocab_is_padded_with_pad_last() -> None:
-    words = compare.pseudo_words(300, seed=0)
-    model = compare.train_spm(compare.pseudo_sentences(words, 300, seed=0), vocab_size=400)
-    vocab = compare.marian_vocab(model, 1000)
+    words = models.pseudo_words(300, seed=0)
+    model = models.train_spm(models.pseudo_sentences(words, 300, seed=0), vocab_size=400)
+    vocab = models.marian_vocab(model, 1000)
     assert len(vocab) == 1000 and sorted(vocab.values()) == list(range(1000))
     assert vocab["</s>"] == 0 and vocab["<unk>"] == 1 and vocab["<pad>"] == 999
 
 
 def test_pad_batch() -> None:
-    ids, mask = compare.pad_batch([[5, 6, 0], [7, 0]], pad=9)
+    ids, mask = engines.pad_batch([[5, 6, 0], [7, 0]], pad=9)
     assert ids.tolist() == [[5, 6, 0], [7, 0, 9]]
     assert mask.tolist() == [[1, 1, 1], [1, 1, 0]]
 
@@ -39,11 +39,46 @@ def test_passes_keep_each_engines_best_case() -> None:
             {"engine": "b", "case": "x", "tok_s": 7.0, "pass": 1},
             {"engine": "a", "case": "x", "tok_s": 12.0, "pass": 2},
             {"engine": "b", "case": "x", "tok_s": 6.0, "pass": 2}]
-    best = compare.best_rows(rows)
+    best = report.best_rows(rows)
     assert best[("a", "x")]["pass"] == 2 and best[("b", "x")]["pass"] == 1
     with pytest.raises(SystemExit) as exit_info:
         compare.main(["--passes", "0"])
     assert exit_info.value.code == 2
+
+
+def test_old_module_paths_run_the_bench_tools() -> None:
+    """`python -m tfserve.compare` and `python -m tfserve.loadgen` are aliases of the tools'
+    homes in tfserve.bench; the engines' children run from there (this checkout importable)."""
+    import tfserve.compare
+    import tfserve.loadgen
+    from tfserve.bench import loadgen
+
+    assert tfserve.compare.main is compare.main and tfserve.loadgen.main is loadgen.main
+    code, rows, err = compare.run_child(["--help"], threads=1, timeout=120)
+    assert code == 0 and rows == [], err
+
+
+def test_serving_path_imports_no_bench_module() -> None:
+    """The benchmark tools import the serving modules, never the other way: outside
+    tfserve/bench/, only the command line (for `tfserve bench`) and the two alias modules
+    import it."""
+    import ast
+    from pathlib import Path
+
+    package = Path(compare.__file__).parents[1]
+    allowed = {package / "cli.py", package / "compare.py", package / "loadgen.py"}
+    importers = []
+    for path in package.rglob("*.py"):
+        if path in allowed or package / "bench" in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
+                [f"{node.module}.{alias.name}" for alias in node.names]  # from tfserve import bench
+                if isinstance(node, ast.ImportFrom) else [])
+            if any(name == "tfserve.bench" or name.startswith("tfserve.bench.")
+                   for name in names):
+                importers.append(str(path.relative_to(package)))
+    assert importers == []
 
 
 @pytest.mark.slow

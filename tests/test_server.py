@@ -957,7 +957,7 @@ def test_drain_finishes_the_calls_in_flight(random_model: Path, random_runtime: 
 
 
 def test_loadgen_smoke(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
-    from tfserve.loadgen import english_number, main
+    from tfserve.bench.loadgen import english_number, main
 
     assert english_number(342) == "three hundred and forty-two"
     assert english_number(8005) == "eight thousand and five"
@@ -983,7 +983,7 @@ def test_loadgen_smoke(server: ServerThread, capsys: pytest.CaptureFixture[str])
 def test_loadgen_offline_figures_sorted_and_in_calls_of_32(random_model: Path) -> None:
     """The offline reference: every text in one call (sorted by the translator), then the same
     texts in calls of 32 in arrival order, then single texts; each call is warmed up first."""
-    from tfserve.loadgen import number_phrases, offline_figures, offline_translator
+    from tfserve.bench.loadgen import number_phrases, offline_figures, offline_translator
 
     translator = offline_translator(random_model, 1)
     sizes: list[int] = []
@@ -1003,7 +1003,7 @@ def test_loadgen_offline_figures_sorted_and_in_calls_of_32(random_model: Path) -
 def test_loadgen_rounds_bracket_each_served_run_with_offline_runs() -> None:
     """drift_rounds: offline, served, offline, ...; each ratio uses the two offline runs
     around its served run (a machine that slows down during the run does not bias it)."""
-    from tfserve.loadgen import drift_rounds
+    from tfserve.bench.loadgen import drift_rounds
 
     calls: list[str] = []
     speed = iter([100.0, 80.0, 60.0, 40.0])  # the machine slows down run after run
@@ -1038,8 +1038,8 @@ def test_serving_path_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, tfserve.server, tfserve.client, tfserve.scheduler, tfserve.loadgen, "
-            "tfserve.workers; "
+    code = ("import sys, tfserve.server, tfserve.client, tfserve.scheduler, "
+            "tfserve.bench.loadgen, tfserve.workers; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1],
                           env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))

@@ -268,7 +268,7 @@ def test_busy_ports_are_clear_errors(random_model: Path, workers: str) -> None:
 
 def test_loadgen_counts_the_cpu_of_the_workers() -> None:
     """--server-pid on a parent whose work runs in child processes counts the children."""
-    from tfserve.loadgen import process_cpu_seconds
+    from tfserve.bench.common import process_cpu_seconds
 
     # the child spends 0.8 s of CPU, says so, and waits (alive) for the test to end it
     spin = ("import os, signal, time\nend = time.process_time() + 0.8\n"

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(argv[1:])
     if argv and argv[0] == "bench":
-        from tfserve.bench import main as bench_main
+        from tfserve.bench.offline import main as bench_main
 
         return bench_main(argv[1:])
     prog = program_name()

@@ -14,60 +14,19 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tfserve.argparsing import OneLineParser, add_version, program_name
+from tfserve.bench.common import CASES, export_quietly, json_line, timed_runs
 from tfserve.version import __version__
-
-# d_model 512, 6+6 layers, 8 heads, FFN 2048, vocab 32k: the size of Helsinki-NLP/opus-mt-*
-BASE_CONFIG = dict(vocab_size=32000, d_model=512, num_heads=8, encoder_layers=6,
-                   decoder_layers=6, ffn_dim=2048, activation="silu", norm="post",
-                   positions="sinusoidal", sinusoidal_layout="half", final_logits_bias=True,
-                   max_source_positions=512, max_target_positions=512,
-                   name="random-opus-mt-base")
-CASES = {
-    "greedy-b1": dict(batch=1, num_beams=1),
-    "greedy-b16": dict(batch=16, num_beams=1),
-    "beam4-b32": dict(batch=32, num_beams=4),
-}
-
-
-def make_random_base(directory: Path, seed: int = 0) -> Path:
-    """A random opus-mt-base-sized native checkpoint with the demo tokenizer files."""
-    import shutil
-
-    import torch
-
-    from tfserve.config import ModelConfig
-    from tfserve.demo import CHECKPOINT_DIR
-    from tfserve.model import Seq2SeqTransformer, save_checkpoint
-
-    torch.manual_seed(seed)
-    directory.mkdir(parents=True, exist_ok=True)
-    for name in ("source.spm", "tokenizer.json"):
-        shutil.copy2(CHECKPOINT_DIR / name, directory / name)
-    save_checkpoint(Seq2SeqTransformer(ModelConfig(**BASE_CONFIG)), directory)
-    return directory
-
-
-def timed(fn: Callable[[], Any], repeat: int) -> float:
-    """Best wall time of `repeat` runs after one warm-up run."""
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def source_batch(vocab: int, eos: int, batch: int, length: int, seed: int) -> tuple[np.ndarray,
                                                                                   np.ndarray]:
+    """`batch` random source rows of `length` ids ending with eos, and their (all-ones) mask."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, vocab, size=(batch, length), dtype=np.int64)
     ids[:, -1] = eos
@@ -76,40 +35,42 @@ def source_batch(vocab: int, eos: int, batch: int, length: int, seed: int) -> tu
 
 def run_cases(backends: dict[str, Any], vocab: int, eos: int, new_tokens: int, source_len: int,
               cases: list[str], repeat: int) -> list[dict[str, Any]]:
+    """Tokens/s of every backend on every case (best of `repeat` after a warm-up), printed
+    as a JSON line per case as it finishes; with two backends, also their ratio."""
     from tfserve.batch import generate
     from tfserve.generation import DecodingOptions
 
     rows = []
     for case in cases:
         spec = CASES[case]
-        ids, mask = source_batch(vocab, eos, spec["batch"], source_len, seed=len(rows))
+        ids, mask = source_batch(vocab, eos, spec.batch, source_len, seed=len(rows))
         options = DecodingOptions(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                  num_beams=spec["num_beams"])
-        row: dict[str, Any] = {"case": case, "batch": spec["batch"], "new_tokens": new_tokens}
+                                  num_beams=spec.beams)
+        row: dict[str, Any] = {"case": case, "batch": spec.batch, "new_tokens": new_tokens}
         for name, backend in backends.items():
-            seconds = timed(
+            times, _ = timed_runs(
                 lambda b=backend, i=ids, m=mask, o=options: generate(b, i, m, o), repeat)
-            row[f"{name}_tok_s"] = spec["batch"] * new_tokens / seconds
+            row[f"{name}_tok_s"] = spec.batch * new_tokens / min(times, default=float("inf"))
         names = list(backends)
         if len(names) == 2:
             row["ratio"] = row[f"{names[0]}_tok_s"] / row[f"{names[1]}_tok_s"]
         rows.append(row)
-        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v
-                          for k, v in row.items()}), flush=True)
+        print(json_line(row, 2), flush=True)
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`tfserve bench`: the offline benchmark, or with --server the load generator."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(arg == "--server" or arg.startswith("--server=") for arg in argv):
-        from tfserve.loadgen import main as loadgen_main
+        from tfserve.bench.loadgen import main as loadgen_main
 
         return loadgen_main(argv)
     parser = OneLineParser(prog=f"{program_name()} bench", description=__doc__.split("\n\n")[0],
                            epilog="With --server HOST:PORT this runs a load test against that "
-                           "running server instead (tfserve.loadgen: closed-loop clients at "
-                           "several concurrencies, throughput and latency); `--server HOST:PORT "
-                           "--help` lists its flags.")
+                           "running server instead (tfserve.bench.loadgen: closed-loop clients "
+                           "at several concurrencies, throughput and latency); `--server "
+                           "HOST:PORT --help` lists its flags.")
     add_version(parser, __version__)
     parser.add_argument("--server", metavar="HOST:PORT", help="load-test this running server "
                         "instead of the offline benchmark (see below)")
@@ -137,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from export.cli import main as export_main
+    from tfserve.bench.models import make_random_base
     from tfserve.eager import EagerBackend
     from tfserve.model import load_checkpoint
     from tfserve.runtime import Runtime, default_threads
@@ -152,11 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         from tfserve.demo import CHECKPOINT_DIR
 
         checkpoint = CHECKPOINT_DIR
+    source = ["--checkpoint", str(checkpoint)]
     artifacts = args.model
     if artifacts is None:
         artifacts = work / "artifacts"
-        code = export_main(["--checkpoint", str(checkpoint), "--out", str(artifacts), "--force",
-                            "--quiet", "--parity-samples", "0"])
+        code = export_quietly(source, artifacts)
         if code:
             return code
     model = load_checkpoint(checkpoint)
@@ -164,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "eager": EagerBackend(model)}
     if args.quantize:
         quantized = work / "artifacts-int8"
-        code = export_main(["--checkpoint", str(checkpoint), "--out", str(quantized), "--force",
-                            "--quiet", "--parity-samples", "0", "--quantize", "int8"])
+        code = export_quietly(source, quantized, "--quantize", "int8")
         if code:
             return code
         backends = {"onnxruntime": backends["onnxruntime"],
