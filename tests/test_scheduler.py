@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from fake_backend import EOS, FakeBackend, FaultyBackend, InjectedFault
 
-import tfserve.scheduler as scheduler_module
+import tfserve.scheduler.encoding as encoding_module
 from tfserve.batch import generate
 from tfserve.generation import DecodingOptions
 from tfserve.scheduler import (
@@ -178,7 +178,7 @@ def test_streaming_events_add_up_to_the_answer() -> None:
 def test_a_search_that_raises_fails_only_its_own_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """A failure inside one search (its own options, its own numbers) ends that request with
     an error; the others in the same steps get their answers, equal to their answers alone."""
-    real_make_search = scheduler_module.make_search
+    real_make_search = encoding_module.make_search
     poisoned = DecodingOptions(max_new_tokens=12, num_beams=2, length_penalty=0.5)
 
     def make_search(options: DecodingOptions, eos: int, start: int):  # type: ignore[no-untyped-def]
@@ -190,7 +190,7 @@ def test_a_search_that_raises_fails_only_its_own_request(monkeypatch: pytest.Mon
             search.advance = search.advance_candidates = advance  # type: ignore[method-assign]
         return search
 
-    monkeypatch.setattr(scheduler_module, "make_search", make_search)
+    monkeypatch.setattr(encoding_module, "make_search", make_search)
     scheduler = make_scheduler()
     rng = random.Random(1)
     sources = [random_source(rng) for _ in range(5)]
