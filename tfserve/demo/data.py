@@ -1,14 +1,15 @@
 """English -> French number phrases generated with num2words (0..999,999).
 
 The held-out evaluation set is a fixed sample of 1,000 numbers that training never sees.
-Sources get light variety (commas and "and" dropped at random), since people type numbers
-both ways; targets are always num2words' French.
+Sources get light variety (commas and "and" dropped, hyphens typed as spaces, each at
+random), since people type numbers all these ways; targets are always num2words' French.
+`SOURCE_FORMS` names the forms the evaluation scores separately.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from num2words import num2words
 
@@ -38,12 +39,53 @@ def held_out_numbers(size: int = HELD_OUT_SIZE) -> list[int]:
     return numbers
 
 
-def vary_source(text: str, rng: random.Random) -> str:
-    """Drop the comma and/or the 'and' sometimes: 'one thousand two hundred thirty-four'."""
-    if rng.random() < 0.3:
-        text = text.replace(",", "")
-    if rng.random() < 0.2:
-        text = text.replace(" and ", " ")
+# how often training drops the commas, drops the "and"s, and types the hyphens as spaces
+COMMA_DROP_RATE = 0.3
+AND_DROP_RATE = 0.2
+HYPHEN_SPACE_RATE = 0.4
+
+
+def no_commas(text: str) -> str:
+    return text.replace(",", "")
+
+
+def no_and(text: str) -> str:
+    return text.replace(" and ", " ")
+
+
+def no_hyphens(text: str) -> str:
+    """'twenty-one' -> 'twenty one', as most people type it."""
+    return text.replace("-", " ")
+
+
+def bare(text: str) -> str:
+    """No hyphens, commas or 'and': 'three hundred forty two thousand one'."""
+    return no_and(no_commas(no_hyphens(text)))
+
+
+# the English forms the evaluation scores one by one: num2words' own, and the ways people
+# write it; every one must translate like the canonical form
+SOURCE_FORMS: dict[str, Callable[[str], str]] = {
+    "canonical": lambda text: text,
+    "no-hyphens": no_hyphens,
+    "no-commas": no_commas,
+    "no-and": no_and,
+    "bare": bare,
+}
+
+
+def vary_source(text: str, rng: random.Random, hyphen_rate: float = HYPHEN_SPACE_RATE) -> str:
+    """Drop the commas, the 'and's, the hyphens, each sometimes: 'two hundred thirty four'.
+
+    The hyphen draw comes last and only when hyphen_rate > 0: hyphen_rate=0 takes two draws
+    per source, the stream the vocabulary's corpus is drawn from (see tokenizer_corpus).
+    """
+    if rng.random() < COMMA_DROP_RATE:
+        text = no_commas(text)
+    if rng.random() < AND_DROP_RATE:
+        text = no_and(text)
+    if hyphen_rate > 0 and rng.random() < hyphen_rate:
+        text = no_hyphens(text)
     return text
 
 
@@ -55,7 +97,9 @@ def sample_number(rng: random.Random) -> int:
     return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
-def training_pairs(seed: int) -> Iterator[tuple[str, str]]:
+def training_pairs(
+    seed: int, hyphen_rate: float = HYPHEN_SPACE_RATE
+) -> Iterator[tuple[str, str]]:
     """An endless stream of (english, french) pairs, held-out numbers excluded."""
     rng = random.Random(seed)
     excluded = set(held_out_numbers())
@@ -63,15 +107,20 @@ def training_pairs(seed: int) -> Iterator[tuple[str, str]]:
         n = sample_number(rng)
         if n in excluded:
             continue
-        yield vary_source(english(n), rng), french(n)
+        yield vary_source(english(n), rng, hyphen_rate), french(n)
 
 
 def tokenizer_corpus(count: int, seed: int) -> list[str]:
-    """Lines of both languages for training the shared SentencePiece model."""
+    """Lines of both languages for training the shared SentencePiece model.
+
+    Hyphens stay as num2words writes them here: this is the corpus the bundled 111-piece
+    vocabulary was trained on, so train.py reproduces it byte for byte. The spaced forms
+    need no new pieces: 'twenty one' is made of words the corpus has on their own.
+    """
     lines: list[str] = []
     for n in range(0, 101):
         lines += [english(n), french(n)]
-    pairs = training_pairs(seed)
+    pairs = training_pairs(seed, hyphen_rate=0.0)
     for _ in range(count):
         en, fr = next(pairs)
         lines += [en, fr]
