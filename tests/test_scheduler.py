@@ -2,7 +2,8 @@
 
 `Scheduler.run_once()` is one pass of the worker loop; the tests call it themselves and
 assert on what each pass admits, steps and retires, and on how every request ends when the
-backend fails at any call.
+backend fails at any call. The batching policy is also driven on its own, on a fake clock:
+what it admits, what it holds and when the wait for company ends.
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ import tfserve.scheduler.encoding as encoding_module
 from tfserve.batch import generate
 from tfserve.generation import DecodingOptions
 from tfserve.scheduler import (
+    BatchingPolicy,
     Cancelled,
     DeadlineExceeded,
     Job,
     ModelError,
+    QueueFull,
+    Running,
     Scheduler,
     SchedulerConfig,
+    Take,
+    WorkItem,
 )
 
 
@@ -335,3 +341,201 @@ def test_rows_the_decoder_cannot_take_fail_only_their_request() -> None:
     jobs = [scheduler.submit_translate([source], OPTIONS[0]) for source in ([4, EOS], [5, EOS])]
     drive(scheduler, jobs)
     assert all(isinstance(job.future.exception(0), ModelError) for job in jobs)
+
+
+# -- the batching policy on its own: no worker, no model --------------------------------------
+
+
+def make_policy(clock: FakeClock, **config: object) -> BatchingPolicy:
+    settings = dict(max_batch_size=8, max_wait_ms=2.0, wave_wait_steps=4)
+    settings.update(config)
+    return BatchingPolicy(SchedulerConfig(**settings), clock)  # type: ignore[arg-type]
+
+
+def arrive(policy: BatchingPolicy, clock: FakeClock, rows: int = 1, inputs: int = 1,
+           kind: str = "translate", deadline: float | None = None) -> list[WorkItem]:
+    """Queue a request of `inputs` inputs reserving `rows` rows each (as Scheduler.submit_*
+    does); its items."""
+    options = DecodingOptions(max_new_tokens=5) if kind == "translate" else None
+    job = Job(kind, options, deadline, submitted=clock())
+    items = [WorkItem(job, index, [3, EOS], rows) for index in range(inputs)]
+    job.results = [None] * inputs
+    job.remaining = job.unadmitted = inputs
+    policy.add(job, items)
+    return items
+
+
+def decoding(rows: int) -> Running:
+    """The worker decoding one request of `rows` rows."""
+    job = Job("translate", DecodingOptions(max_new_tokens=5), None, submitted=0.0)
+    return Running(decoding=[WorkItem(job, 0, [3, EOS], rows)])
+
+
+IDLE = Running()
+
+
+def test_policy_starts_a_lone_request_at_once() -> None:
+    clock = FakeClock()
+    policy = make_policy(clock)
+    items = arrive(policy, clock)
+    assert policy.batching_wait(IDLE) == 0
+    assert policy.take(IDLE) == Take(items, [], "join", [])
+    assert not policy.queued and policy.queued_jobs == 0
+    assert items[0].job.queue_seconds == 0.0
+
+
+def test_policy_gathers_arrivals_at_a_running_batch_for_max_wait_ms() -> None:
+    """With rows decoding, arrivals wait up to max_wait_ms after the first of them, or until
+    they fill the free rows, and then join together."""
+    clock = FakeClock()
+    policy = make_policy(clock, wave_wait_steps=0)  # 2 ms
+    running = decoding(5)  # 3 rows free
+    start = clock()
+    first = arrive(policy, clock)
+    assert policy.batching_wait(running) == pytest.approx(0.002)
+    assert policy.take(running) == Take([], [], "hold", [])
+    clock.now += 0.001
+    second = arrive(policy, clock)
+    assert policy.batching_wait(running) == pytest.approx(0.001)  # from the first arrival
+    assert policy.take(running).mode == "hold"
+    clock.now = start + 0.002
+    assert policy.batching_wait(running) == 0
+    assert policy.take(running) == Take(first + second, [], "join", [])
+    assert first[0].job.queue_seconds == pytest.approx(0.002)
+    assert second[0].job.queue_seconds == pytest.approx(0.001)
+    # arrivals that fill the free rows do not wait for the time to pass
+    both = arrive(policy, clock, inputs=2) + arrive(policy, clock)
+    assert policy.batching_wait(running) == 0
+    assert policy.take(running) == Take(both, [], "join", [])
+
+
+def test_policy_waits_for_the_rows_that_just_finished_to_come_back() -> None:
+    """Three 1-row requests succeeded: arrivals wait until three rows are queued (closed-loop
+    clients coming back), then join as one group; the record of the freed rows is used up."""
+    clock = FakeClock()
+    policy = make_policy(clock)  # wait up to max(2 ms, 4 steps)
+    policy.record_step(0.010)
+    assert policy.step_seconds == 0.010
+    policy.record_step(0.020)
+    assert policy.step_seconds == pytest.approx(0.012)  # a running mean, recent steps weigh
+    policy.record_success(clock(), 3)
+    clock.now += 0.005
+    wave = arrive(policy, clock)
+    assert policy.batching_wait(IDLE) == pytest.approx(4 * 0.012)
+    assert policy.take(IDLE).mode == "hold"
+    clock.now += 0.001
+    wave += arrive(policy, clock)
+    assert policy.take(IDLE).mode == "hold"
+    wave += arrive(policy, clock)
+    assert policy.batching_wait(IDLE) == 0
+    assert policy.take(IDLE) == Take(wave, [], "join", [])
+    assert not policy.freed
+    # nothing finished since: the next request starts at once
+    lone = arrive(policy, clock)
+    assert policy.take(IDLE) == Take(lone, [], "join", [])
+
+
+def test_policy_wait_for_returning_rows_ends_after_wave_wait_steps() -> None:
+    clock = FakeClock()
+    policy = make_policy(clock, wave_wait_steps=2)
+    policy.record_step(0.010)
+    start = clock()
+    policy.record_success(start, 3)
+    first = arrive(policy, clock)
+    clock.now = start + 0.019
+    assert policy.take(IDLE).mode == "hold"
+    clock.now = start + 2 * 0.010  # 2 steps after the first arrival
+    assert policy.take(IDLE) == Take(first, [], "join", [])
+    assert list(policy.freed) == [(start, 2)]  # one of the three rows came back
+    # much later, the two rows that never came back are forgotten: no wait
+    clock.now += 1.0
+    late = arrive(policy, clock)
+    assert policy.batching_wait(IDLE) == 0
+    assert policy.take(IDLE) == Take(late, [], "join", [])
+    assert not policy.freed
+
+
+def test_policy_encodes_ahead_while_the_idle_worker_waits() -> None:
+    """encode_ahead: an idle worker waiting for returning rows takes each arrival to encode
+    it ("ahead"); the items it holds reserve their rows (unless their request ended), and
+    the arrival that completes the wave joins with them ("join")."""
+    clock = FakeClock()
+    policy = make_policy(clock, encode_ahead=True)
+    policy.record_step(0.010)
+    policy.record_success(clock(), 2)
+    first = arrive(policy, clock, rows=1)
+    assert policy.may_encode_ahead(IDLE)
+    assert policy.take(IDLE) == Take(first, [], "ahead", [])
+    held = Running(ahead=first)
+    assert policy.reserved_rows(held) == 1
+    assert policy.batching_wait(held) == pytest.approx(0.040)  # still waiting for company
+    clock.now += 0.001
+    second = arrive(policy, clock)
+    assert policy.take(held) == Take(second, [], "join", [])  # the worker joins first too
+    # a held item whose request was cancelled reserves nothing
+    first[0].job.cancel()
+    assert policy.reserved_rows(held) == 0
+    # with rows decoding, arrivals are held, not encoded ahead
+    policy.record_success(clock(), 2)
+    queued = arrive(policy, clock)
+    assert not policy.may_encode_ahead(decoding(1))
+    assert policy.take(decoding(1)) == Take([], [], "hold", [])
+    clock.now += 0.050
+    assert policy.take(decoding(1)) == Take(queued, [], "join", [])
+
+
+def test_policy_admission_is_fifo_without_overtaking() -> None:
+    """A 4-row beam search at the head that does not fit waits for rows; the 1-row request
+    behind it, which would fit, does not overtake it."""
+    clock = FakeClock()
+    policy = make_policy(clock, max_wait_ms=0.0, wave_wait_steps=0)
+    beam = arrive(policy, clock, rows=4)
+    greedy = arrive(policy, clock, rows=1)
+    assert policy.take(decoding(5)) == Take([], [], "join", [])
+    assert list(policy.translate_queue) == beam + greedy
+    assert policy.take(decoding(4)) == Take(beam, [], "join", [])  # 8 rows: full
+    assert policy.take(decoding(7)) == Take(greedy, [], "join", [])
+
+
+def test_policy_never_holds_encode_requests() -> None:
+    """While translate arrivals wait for returning rows, Encode requests start at once, at
+    most max_batch_size inputs a pass; a request leaves the queue with its last input."""
+    clock = FakeClock()
+    policy = make_policy(clock)
+    policy.record_step(0.010)
+    policy.record_success(clock(), 4)
+    translate = arrive(policy, clock)
+    encode = arrive(policy, clock, inputs=10, kind="encode")
+    assert policy.batching_wait(IDLE) == 0
+    assert policy.take(IDLE) == Take([], encode[:8], "hold", [])
+    assert policy.queued_jobs == 2
+    assert policy.take(IDLE) == Take([], encode[8:], "hold", [])
+    assert policy.queued_jobs == 1 and list(policy.translate_queue) == translate
+
+
+def test_policy_drops_queued_items_of_requests_that_ended() -> None:
+    clock = FakeClock()
+    policy = make_policy(clock, max_wait_ms=0.0, wave_wait_steps=0)
+    expiring = arrive(policy, clock, deadline=clock() + 1.0)
+    cancelled = arrive(policy, clock)
+    kept = arrive(policy, clock)
+    cancelled[0].job.cancel()
+    clock.now += 1.0
+    taken = policy.take(decoding(8))  # no row free: only the dead leave
+    assert taken == Take([], [], "join", [(expiring[0], "deadline"), (cancelled[0], "cancelled")])
+    assert isinstance(expiring[0].job.future.exception(0), DeadlineExceeded)
+    assert list(policy.translate_queue) == kept and policy.queued_jobs == 1
+
+
+def test_policy_refuses_requests_past_max_queue() -> None:
+    clock = FakeClock()
+    policy = make_policy(clock, max_queue=2)
+    first = arrive(policy, clock)
+    second = arrive(policy, clock)
+    with pytest.raises(QueueFull, match="2 requests waiting"):
+        arrive(policy, clock)
+    assert policy.take(IDLE).translate == first + second
+    arrive(policy, clock)  # both left the queue: room again
+    arrive(policy, clock, inputs=3)
+    assert len(policy.drain()) == 4  # on stop: every queued input, to be failed
+    assert not policy.queued and policy.queued_jobs == 0

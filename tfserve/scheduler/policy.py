@@ -93,7 +93,7 @@ class BatchingPolicy:
         self.metrics.queue_depth.set(0)
         return items
 
-    # -- what the worker reports --------------------------------------------------------------
+    # -- what the worker reports ------------------------------------------------------------
 
     def record_step(self, seconds: float) -> None:
         """A decoder step took `seconds`."""
@@ -106,7 +106,7 @@ class BatchingPolicy:
         its next request now, so expect its rows back."""
         self.freed.append((now, rows))
 
-    # -- the wait for company -----------------------------------------------------------------
+    # -- the wait for company ---------------------------------------------------------------
 
     def batching_wait(self, running: Running) -> float:
         """Seconds the idle worker waits for more work before starting a batch (<= 0: now)."""
@@ -167,7 +167,7 @@ class BatchingPolicy:
             return None
         return oldest + bound if queued < target and now < oldest + bound else None
 
-    # -- admission ----------------------------------------------------------------------------
+    # -- admission --------------------------------------------------------------------------
 
     def take(self, running: Running) -> Take:
         """Drop the queued items of requests that ended, and take what fits into the worker's

@@ -220,7 +220,7 @@ class Scheduler:
             self._fail_batch("iteration", exc,
                              {item.job for item in translate_items + encode_items} | pending)
 
-    # -- what the policy sees ------------------------------------------------------------------
+    # -- what the policy sees ---------------------------------------------------------------
 
     def _running(self) -> Running:
         """The worker's state as the policy reads it."""
@@ -243,7 +243,7 @@ class Scheduler:
         or not)."""
         return [item for group in self._ahead for item in group.tags]
 
-    # -- one pass -------------------------------------------------------------------------------
+    # -- one pass ---------------------------------------------------------------------------
 
     def _iteration(self, translate_items: list[WorkItem], encode_items: list[WorkItem],
                    mode: str = "join") -> None:
