@@ -35,18 +35,16 @@ from tfserve.argparsing import (
     add_version,
     program_name,
 )
+from tfserve.settings import MODEL_SETTINGS, add_arguments
 from tfserve.version import __version__
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=None,
-                        help="artifacts directory from `python -m export` (default: the bundled "
-                        "demo, exported on first use)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="ONNX Runtime intra-op threads (0: one per core)")
+    """--model, --device and --threads as `serve` declares them (tfserve.settings), and
+    --truncate."""
+    add_arguments(parser, MODEL_SETTINGS)
     parser.add_argument("--truncate", action="store_true",
                         help="cut texts longer than the model's source limit instead of failing")
 

@@ -1,7 +1,11 @@
 """Server settings: every flag of `python -m tfserve serve` is also a TFSERVE_* env var.
 
-`ServerConfig` holds them; `parse_config` reads the command line with the environment as
-defaults (a flag wins) and validates, so a bad value is one line on stderr and exit code 2.
+Each setting is declared once, as a `Setting` (name, type, default, help, range): the server's
+own in SERVER_SETTINGS below, the batching ones as `SchedulerConfig` fields (their defaults,
+help texts and ranges are read from there), and the model ones in MODEL_SETTINGS, which the
+CLI's translate and encode take too. `ServerConfig` has one field per setting, in the order
+of SERVER_SETTINGS; `parse_config` reads the command line with the environment as defaults (a
+flag wins) and validates, so a bad value is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -9,10 +13,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import typing
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tfserve.argparsing import OneLineParser, add_version, program_name
 from tfserve.inputs import DEFAULT_MAX_TEXTS
@@ -23,51 +28,144 @@ ENV_PREFIX = "TFSERVE_"
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 
-@dataclass
-class ServerConfig:
-    """Every server setting; each is a flag `--name-with-dashes` and an env var TFSERVE_NAME."""
+@dataclass(frozen=True)
+class Setting:
+    """One setting: the flag `--name-with-dashes`, the env var TFSERVE_NAME (server), and
+    the ServerConfig field `name`."""
 
-    model: Path | None = None  # None: the bundled demo, exported on first use
-    host: str = "0.0.0.0"
-    port: int = 50051
-    metrics_port: int = 9090  # 0 disables the metrics endpoint
-    device: str = "cpu"
-    threads: int = 0
-    workers: int = 1
-    max_batch_size: int = 32
-    max_batch_tokens: int = 8192
-    max_wait_ms: float = 2.0
-    wave_wait_steps: int = 4
-    encode_ahead: bool = False
-    event_loop: str = "auto"
-    max_queue: int = 256
-    max_texts_per_request: int = DEFAULT_MAX_TEXTS
-    max_message_bytes: int = 16 * 1024 * 1024
-    grace_seconds: float = 30.0
-    default_max_new_tokens: int = 0  # 0: min(256, the model's target positions - 1)
-    log_format: str = "json"
-    log_level: str = "info"
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    tls_client_ca: Path | None = None
-    auth_token: str | None = None
-    metrics_host: str = ""  # "": the same address as --host
-    max_concurrent_streams: int = 100
-    max_connections: int = 1000
-    max_connection_age_seconds: float = 0.0  # 0: connections are never closed by age
+    name: str
+    type: type  # of the value: bool, int, float, str or Path (or None, where that is the default)
+    default: Any
+    help: str
+    limits: tuple[float, float] | None = None  # inclusive; a value outside is refused
+    unset: str | None = None  # what a None default stands for, said in the help
+    secret: bool = False  # the help shows *** for a value set in the environment
+
+    @property
+    def flag(self) -> str:
+        return "--" + _flag(self.name)
+
+    @property
+    def argument_type(self) -> Callable[[str], Any]:
+        """What argparse converts the flag's (or env var's) text with."""
+        return _boolean if self.type is bool else self.type
+
+    @property
+    def annotation(self) -> Any:
+        """The ServerConfig field's type."""
+        return self.type if self.default is not None else self.type | None
+
+    @property
+    def server_help(self) -> str:
+        """The help `serve` shows (its env var and default follow)."""
+        return self.help if self.unset is None else f"{self.help}; unset: {self.unset}"
+
+
+def declared_in(config: type, *names: str) -> list[Setting]:
+    """Settings declared as fields of the dataclass `config` (SchedulerConfig), with their
+    help text and range in the fields' metadata."""
+    types = typing.get_type_hints(config)
+    specs = {spec.name: spec for spec in fields(config)}
+    return [Setting(name, types[name], specs[name].default, specs[name].metadata["help"],
+                    specs[name].metadata.get("limits")) for name in names]
+
+
+# the model a command loads: the same flags for `serve` and for the CLI's translate and encode
+MODEL_SETTINGS = (
+    Setting("model", Path, None, "artifacts directory from `python -m export`",
+            unset="the bundled demo, exported on first use"),
+    Setting("device", str, "cpu", "cpu, cuda or cuda:N"),
+    Setting("threads", int, 0, "ONNX Runtime intra-op threads (0: one per core)", (0, 1024)),
+)
+_MODEL, _DEVICE, _THREADS = MODEL_SETTINGS
+
+# every server setting, in the order of `serve --help`
+SERVER_SETTINGS: tuple[Setting, ...] = (
+    _MODEL,
+    Setting("host", str, "0.0.0.0", "address to listen on"),
+    Setting("port", int, 50051, "gRPC port (0: pick a free one, logged at startup)", (0, 65535)),
+    Setting("metrics_port", int, 9090, "Prometheus /metrics HTTP port (0 disables)",
+            (0, 65535)),
+    _DEVICE,
+    _THREADS,
+    Setting("workers", int, 1, "server processes sharing --port, each with its own model copy, "
+            "batch and interpreter lock; the kernel spreads client connections over them; "
+            "--metrics-port serves all their metrics (label worker), worker i its own on "
+            "--metrics-port + 1 + i (Linux; see docs/server.md)", (1, 256)),
+    *declared_in(SchedulerConfig, "max_batch_size", "max_batch_tokens", "max_wait_ms",
+                 "wave_wait_steps", "encode_ahead"),
+    Setting("event_loop", str, "auto", "the event loop the gRPC server runs on: uvloop, "
+            "asyncio, or auto (uvloop when installed)"),
+    *declared_in(SchedulerConfig, "max_queue"),
+    Setting("max_texts_per_request", int, DEFAULT_MAX_TEXTS, "inputs per request", (1, 100_000)),
+    # grpc takes a signed 32-bit length
+    Setting("max_message_bytes", int, 16 * 1024 * 1024, "largest gRPC message received or sent",
+            (1024, 2**31 - 1)),
+    Setting("grace_seconds", float, 30.0,
+            "on SIGTERM, how long requests in flight may take to finish", (0, 3600)),
+    Setting("default_max_new_tokens", int, 0, "max_new_tokens when a request leaves it 0 (0: "
+            "min(256, the model's target positions - 1))", (0, 1_000_000)),
+    Setting("log_format", str, "json", "json (one object per line) or text"),
+    Setting("log_level", str, "info", "debug, info, warning or error"),
+    Setting("tls_cert", Path, None, "PEM certificate chain: serve TLS (needs --tls-key)"),
+    Setting("tls_key", Path, None, "PEM private key for --tls-cert"),
+    Setting("tls_client_ca", Path, None, "PEM CA bundle: require and verify client "
+            "certificates signed by it (mutual TLS; needs --tls-cert and --tls-key)"),
+    Setting("auth_token", str, None, "require `authorization: Bearer TOKEN` metadata (health "
+            "is exempt); prefer the env var to keep it out of `ps`", secret=True),
+    Setting("metrics_host", str, "", "address the metrics endpoint listens on (empty: --host), "
+            "e.g. 127.0.0.1 to keep metrics private while gRPC listens outside"),
+    Setting("max_concurrent_streams", int, 100, "concurrent calls per client connection "
+            "(HTTP/2 max concurrent streams)", (1, 100_000)),
+    Setting("max_connections", int, 1000,
+            "client connections the server accepts at once; more are refused", (1, 1_000_000)),
+    Setting("max_connection_age_seconds", float, 0.0, "close each client connection after this "
+            "long (clients reconnect and spread again over --workers and replicas; calls in "
+            "flight get --grace-seconds); 0: never", (0, 86_400)),
+)
+
+# the help text and range of each server setting, by name: what build_parser and
+# ServerConfig.validate read
+_HELP = {setting.name: setting.server_help for setting in SERVER_SETTINGS}
+_LIMITS = {setting.name: setting.limits for setting in SERVER_SETTINGS
+           if setting.limits is not None}
+
+# ServerConfig.scheduler_config passes every SchedulerConfig field on: each is a server setting
+_unplaced = {spec.name for spec in fields(SchedulerConfig)} - set(_HELP)
+if _unplaced:
+    raise RuntimeError(f"SchedulerConfig fields missing from SERVER_SETTINGS: {_unplaced}")
+
+_Config = TypeVar("_Config")
+
+
+def _fields_from(settings: Sequence[Setting]) -> Callable[[type[_Config]], type[_Config]]:
+    """A class decorator: the class becomes a dataclass with one field per setting, in
+    order, each with its declared type and default."""
+    def build(cls: type[_Config]) -> type[_Config]:
+        cls.__annotations__ = {setting.name: setting.annotation for setting in settings}
+        for setting in settings:
+            setattr(cls, setting.name, field(default=setting.default))
+        return dataclass(cls)
+    return build
+
+
+@_fields_from(SERVER_SETTINGS)
+class ServerConfig:
+    """Every server setting (SERVER_SETTINGS); each is a flag `--name-with-dashes` and an env
+    var TFSERVE_NAME."""
 
     def metrics_bind_host(self) -> str:
         """The address the metrics endpoint listens on: --metrics-host, else --host."""
         return self.metrics_host or self.host
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(max_batch_size=self.max_batch_size,
-                               max_batch_tokens=self.max_batch_tokens,
-                               max_wait_ms=self.max_wait_ms, max_queue=self.max_queue,
-                               wave_wait_steps=self.wave_wait_steps,
-                               encode_ahead=self.encode_ahead)
+        """The batching settings, as the scheduler takes them."""
+        return SchedulerConfig(**{spec.name: getattr(self, spec.name)
+                                  for spec in fields(SchedulerConfig)})
 
     def validate(self) -> ServerConfig:
+        """Every value in its range, TLS files readable, choices known; else a ValueError
+        naming the flag."""
         for name, (low, high) in _LIMITS.items():
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value)
@@ -96,28 +194,6 @@ class ServerConfig:
         return self
 
 
-# every numeric setting and its range; a value outside is refused naming the flag
-_LIMITS: dict[str, tuple[float, float]] = {
-    "port": (0, 65535),
-    "metrics_port": (0, 65535),
-    "threads": (0, 1024),
-    "workers": (1, 256),
-    "max_batch_size": (1, 4096),
-    "max_batch_tokens": (1, 1 << 24),
-    "max_wait_ms": (0, 10_000),
-    "wave_wait_steps": (0, 10_000),
-    "max_queue": (1, 1_000_000),
-    "max_texts_per_request": (1, 100_000),
-    # grpc takes a signed 32-bit length
-    "max_message_bytes": (1024, 2**31 - 1),
-    "grace_seconds": (0, 3600),
-    "default_max_new_tokens": (0, 1_000_000),
-    "max_concurrent_streams": (1, 100_000),
-    "max_connections": (1, 1_000_000),
-    "max_connection_age_seconds": (0, 86_400),
-}
-
-
 def _check_pem(flag: str, path: Path) -> None:
     """A readable PEM file, or ValueError naming the flag (grpc's own error is 'cannot
     listen', which names neither the file nor the problem)."""
@@ -137,56 +213,6 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-_HELP = {
-    "model": "artifacts directory from `python -m export`; unset: the bundled demo, "
-             "exported on first use",
-    "host": "address to listen on",
-    "port": "gRPC port (0: pick a free one, logged at startup)",
-    "metrics_port": "Prometheus /metrics HTTP port (0 disables)",
-    "device": "cpu, cuda or cuda:N",
-    "threads": "ONNX Runtime intra-op threads (0: one per core)",
-    "workers": ("server processes sharing --port, each with its own model copy, batch and "
-                "interpreter lock; the kernel spreads client connections over them; "
-                "--metrics-port serves all their metrics (label worker), worker i its own on "
-                "--metrics-port + 1 + i (Linux; see docs/server.md)"),
-    "max_batch_size": "rows (beams and samples count one each) in the running decoder batch; "
-                      "inputs per encoder run",
-    "max_batch_tokens": "padded source tokens per encoder run",
-    "max_wait_ms": ("how long queued inputs are gathered before joining a running batch; the "
-                    "least arrivals wait for the rows that just finished"),
-    "wave_wait_steps": ("decoder steps arrivals may wait for the rows that just finished to "
-                        "come back (closed-loop clients finishing together rejoin as one "
-                        "batch); 0: never wait for them (open-loop traffic)"),
-    "encode_ahead": ("while the idle worker waits for returning rows, encode them as they "
-                     "arrive (true/false; helps where the event loop has a core of its own, "
-                     "costs a little where the server and its event loop share few cores)"),
-    "event_loop": ("the event loop the gRPC server runs on: uvloop, asyncio, or auto (uvloop "
-                   "when installed)"),
-    "max_queue": "requests that may wait for the model; more get RESOURCE_EXHAUSTED",
-    "max_texts_per_request": "inputs per request",
-    "max_message_bytes": "largest gRPC message received or sent",
-    "grace_seconds": "on SIGTERM, how long requests in flight may take to finish",
-    "default_max_new_tokens": "max_new_tokens when a request leaves it 0 (0: min(256, the "
-                              "model's target positions - 1))",
-    "log_format": "json (one object per line) or text",
-    "log_level": "debug, info, warning or error",
-    "tls_cert": "PEM certificate chain: serve TLS (needs --tls-key)",
-    "tls_key": "PEM private key for --tls-cert",
-    "tls_client_ca": "PEM CA bundle: require and verify client certificates signed by it "
-                     "(mutual TLS; needs --tls-cert and --tls-key)",
-    "metrics_host": "address the metrics endpoint listens on (empty: --host), e.g. 127.0.0.1 "
-                    "to keep metrics private while gRPC listens outside",
-    "max_concurrent_streams": "concurrent calls per client connection (HTTP/2 max "
-                              "concurrent streams)",
-    "max_connections": "client connections the server accepts at once; more are refused",
-    "max_connection_age_seconds": ("close each client connection after this long (clients "
-                                   "reconnect and spread again over --workers and replicas; "
-                                   "calls in flight get --grace-seconds); 0: never"),
-    "auth_token": "require `authorization: Bearer TOKEN` metadata (health is exempt); "
-                  "prefer the env var to keep it out of `ps`",
-}
-
-
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """Flags with their defaults taken from TFSERVE_* env vars where set (a flag wins).
 
@@ -198,36 +224,31 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                            "health, reflection) with Prometheus metrics. Every flag can also be "
                            "set with the env var shown; the flag wins.")
     add_version(parser, __version__)
-    defaults = ServerConfig()
-    for spec in fields(ServerConfig):
-        name = spec.name
-        default = getattr(defaults, name)
-        kind: Callable[[str], Any] = _value_type(name, default)
+    for setting in SERVER_SETTINGS:
+        name, default, kind = setting.name, setting.default, setting.argument_type
         env = env_name(name)
         if env in environ:
             try:
                 default = kind(environ[env])
             except ValueError:
-                parser.error(f"{env}={environ[env]!r} is not a valid value for --{_flag(name)}")
-        shown = "***" if name == "auth_token" and default else default
+                parser.error(f"{env}={environ[env]!r} is not a valid value for {setting.flag}")
+        shown = "***" if setting.secret and default else default
         text = f"{_HELP[name]} [env {env}]"
         if shown is not None and shown != "":  # unset: the help says what happens then
             text += f" (default: {shown})"
-        parser.add_argument(f"--{_flag(name)}", dest=name, type=kind, default=default,
-                            help=text)
+        parser.add_argument(setting.flag, dest=name, type=kind, default=default, help=text)
     return parser
 
 
-def _value_type(name: str, default: Any) -> Callable[[str], Any]:
-    if name in ("model", "tls_cert", "tls_key", "tls_client_ca"):
-        return Path
-    if isinstance(default, bool):
-        return _boolean
-    if isinstance(default, int):
-        return int
-    if isinstance(default, float):
-        return float
-    return str
+def add_arguments(parser: argparse.ArgumentParser, settings: Sequence[Setting]) -> None:
+    """The settings as flags of another command (the CLI's translate and encode take
+    MODEL_SETTINGS): their declared defaults, no env vars."""
+    for setting in settings:
+        text = setting.help
+        if setting.unset is not None:
+            text += f" (default: {setting.unset})"
+        parser.add_argument(setting.flag, type=setting.argument_type, default=setting.default,
+                            help=text)
 
 
 def _boolean(text: str) -> bool:

@@ -31,6 +31,7 @@ from tfserve.inputs import (
     pool,
     tokenize_sources,
 )
+from tfserve.scheduler.config import SchedulerConfig
 from tfserve.tokenizer import Tokenizer
 
 # the input helpers are re-exported: the server and older callers import them from here
@@ -87,7 +88,7 @@ class Translator:
         intra_op_threads: int = 0,
         inter_op_threads: int = 0,
         optimization: str = "all",
-        max_batch_size: int = 32,
+        max_batch_size: int = SchedulerConfig.max_batch_size,
     ) -> None:
         from tfserve.runtime import Runtime
 
@@ -102,7 +103,7 @@ class Translator:
 
     @classmethod
     def from_backend(cls, backend: Backend, tokenizer: Tokenizer,
-                     max_batch_size: int = 32) -> Translator:
+                     max_batch_size: int = SchedulerConfig.max_batch_size) -> Translator:
         """Wrap another backend (e.g. tfserve.eager.EagerBackend) behind the same API."""
         translator = cls.__new__(cls)
         translator._setup(backend, tokenizer, max_batch_size)

@@ -1,28 +1,51 @@
-"""The scheduler's batching limits (`SchedulerConfig`)."""
+"""The scheduler's batching settings (`SchedulerConfig`), each declared once.
+
+A field's default is the setting's default everywhere; its metadata holds the help text and
+the range of the server's flag, from which tfserve.settings builds `--name-with-dashes` and
+the TFSERVE_NAME env var (see docs/server.md).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _setting(default: Any, help: str, limits: tuple[float, float] | None = None) -> Any:
+    """A batching setting: a dataclass field with `help` and `limits` (the server flag's
+    range, inclusive) in its metadata."""
+    return field(default=default, metadata={"help": help, "limits": limits})
 
 
 @dataclass
 class SchedulerConfig:
-    """Batching limits. See docs/server.md for the matching server flags."""
+    """Batching limits."""
 
-    max_batch_size: int = 32  # rows in the running decoder batch; inputs per encoder run
-    max_batch_tokens: int = 8192  # padded source tokens per encoder run
-    max_wait_ms: float = 2.0  # how long arrivals wait for company (BatchingPolicy.gather_deadline)
-    max_queue: int = 256  # requests with inputs not yet taken up by the model
-    # how many decoder steps arrivals may wait for the rows that just finished to come back
-    # (closed-loop clients); 0: never wait for them
-    wave_wait_steps: int = 4
-    # while the idle worker waits for company, encode what has arrived (the wait then
-    # overlaps encoder work); the rows join the decoder batch together when the wait ends.
+    max_batch_size: int = _setting(
+        32, "rows (beams and samples count one each) in the running decoder batch; inputs per "
+        "encoder run", (1, 4096))
+    max_batch_tokens: int = _setting(8192, "padded source tokens per encoder run", (1, 1 << 24))
+    # the wait for company: BatchingPolicy.gather_deadline
+    max_wait_ms: float = _setting(
+        2.0, "how long queued inputs are gathered before joining a running batch; the least "
+        "arrivals wait for the rows that just finished", (0, 10_000))
+    max_queue: int = _setting(
+        256, "requests that may wait for the model; more get RESOURCE_EXHAUSTED", (1, 1_000_000))
+    wave_wait_steps: int = _setting(
+        4, "decoder steps arrivals may wait for the rows that just finished to come back "
+        "(closed-loop clients finishing together rejoin as one batch); 0: never wait for them "
+        "(open-loop traffic)", (0, 10_000))
     # Off by default: on 2 shared cores the encoder runs slowed the event loop receiving the
     # rest of the wave as much as they saved (docs/benchmarks.md, "Server settings compared")
-    encode_ahead: bool = False
+    encode_ahead: bool = _setting(
+        False, "while the idle worker waits for returning rows, encode them as they arrive "
+        "(true/false; helps where the event loop has a core of its own, costs a little where "
+        "the server and its event loop share few cores)")
 
     def validate(self) -> SchedulerConfig:
+        """The scheduler's own checks, for a config built in Python: whole counts at or above
+        their least value and a finite wait (the server's flags are checked against their
+        ranges before)."""
         for name in ("max_batch_size", "max_batch_tokens", "max_queue"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
