@@ -1,0 +1,62 @@
+"""Search over a step function: greedy, beam search and sampling, written once for every backend.
+
+The search code sees numpy logits and an opaque KV cache; a backend (`tfserve.runtime`'s
+ONNX Runtime sessions, or `tfserve.eager`'s PyTorch model) runs the encoder and one decoder
+step and knows how to select, concatenate and trim cache rows. It imports numpy only.
+
+The searches advance rows that `tfserve.batch.DecodeBatch` (continuous batching) steps for
+many of them at once; offline `tfserve.batch.generate` is that loop with every search added
+up front.
+
+Every search starts from a single row holding the decoder start token; beam search and
+sampling fan out to their beams / samples after the first step, so the first step and the
+cross-attention K/V are never computed per beam.
+
+Modules: `backend` (what a model must offer), `options` (DecodingOptions, Hypothesis),
+`kernels` (numpy passes over logits and their thread pool), `search` (the Search base class
+and the registry `make_search` picks from), one module per strategy (`greedy`, `beam`,
+`sampling`). A new strategy is a module with a Search subclass decorated with
+`register_search`, imported below.
+"""
+
+from tfserve.generation.backend import Backend, Cache, StepOutput, narrow_first
+from tfserve.generation.beam import BeamSearch
+from tfserve.generation.greedy import GreedySearch
+from tfserve.generation.kernels import (
+    PARALLEL_MIN_ELEMENTS,
+    SCORE_BLOCK_ELEMENTS,
+    filter_logits,
+    log_softmax,
+    logsumexp,
+    numpy_pool,
+    score_rows,
+    top_k_unordered,
+)
+from tfserve.generation.options import DEFAULT_MAX_NEW_TOKENS, DecodingOptions, Hypothesis
+from tfserve.generation.sampling import SamplingSearch
+from tfserve.generation.search import Search, make_search, register_search, registered_searches
+
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
+    "PARALLEL_MIN_ELEMENTS",
+    "SCORE_BLOCK_ELEMENTS",
+    "Backend",
+    "BeamSearch",
+    "Cache",
+    "DecodingOptions",
+    "GreedySearch",
+    "Hypothesis",
+    "SamplingSearch",
+    "Search",
+    "StepOutput",
+    "filter_logits",
+    "log_softmax",
+    "logsumexp",
+    "make_search",
+    "narrow_first",
+    "numpy_pool",
+    "register_search",
+    "registered_searches",
+    "score_rows",
+    "top_k_unordered",
+]

@@ -1,0 +1,108 @@
+"""Beam search: num_beams running hypotheses, length penalty, early stopping, n-best."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tfserve.generation.kernels import top_k_unordered
+from tfserve.generation.options import DecodingOptions, Hypothesis
+from tfserve.generation.search import Search, register_search
+
+
+@register_search("beam", lambda options: not options.do_sample and options.num_beams > 1)
+class BeamSearch(Search):
+    """Beam search keeping num_beams running hypotheses and the best finished ones.
+
+    Each step scores 2 * num_beams candidates so that enough non-eos continuations remain
+    after the eos candidates are set aside. An eos candidate outside the top num_beams is
+    ignored. With early_stopping the search ends as soon as num_beams hypotheses finished;
+    without it, when no running beam can still beat the worst kept hypothesis.
+    """
+
+    def __init__(self, options: DecodingOptions, eos_token_id: int, start_token_id: int) -> None:
+        super().__init__(options, eos_token_id, start_token_id)
+        self.beams: list[list[int]] = [[]]
+        self.beam_scores = np.zeros(1, np.float64)
+
+    def normalized(self, sum_logprobs: float, length: int) -> float:
+        return sum_logprobs / (length**self.options.length_penalty)
+
+    def keep_finished(self, tokens: list[int], sum_logprobs: float, complete: bool) -> None:
+        length = len(tokens) + (1 if complete else 0)
+        self.finished.append(Hypothesis(tokens, self.normalized(sum_logprobs, length), complete))
+        self.finished.sort(key=lambda h: -h.score)
+        del self.finished[self.options.num_beams :]
+
+    def candidates_per_row(self) -> int:
+        """Tokens per row `advance` must see: 2K, plus one in case eos is blocked."""
+        return 2 * self.options.num_beams + 1
+
+    def top_needed(self) -> int:
+        return 2 * self.options.num_beams
+
+    def advance(self, logits: np.ndarray, lse: np.ndarray,
+                best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        # the best 2K candidates overall are among each row's best 2K tokens: rank those only
+        if best is None:
+            per_row = min(self.candidates_per_row(), logits.shape[1])
+            best = top_k_unordered(logits, per_row)  # [rows, 2K+1]
+        values = np.take_along_axis(logits, best, axis=-1)
+        # offset: beam score minus the row's normaliser
+        return self._select(best, values, self.beam_scores - lse, logits.shape[1])
+
+    def advance_candidates(self, ids: np.ndarray, log_probs: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray]:
+        return self._select(ids, log_probs, self.beam_scores, int(ids.max()) + 1)
+
+    def _select(self, best: np.ndarray, values: np.ndarray, offset: np.ndarray, vocab: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """Keep the best num_beams continuations among candidates best [rows,k] whose
+        scores are offset [rows] + values [rows,k]; vocab: any bound above the token ids."""
+        num_beams = self.options.num_beams
+        rows = best.shape[0]
+        if self.generated < self.options.min_new_tokens:
+            values = np.where(best == self.eos, -np.inf, values)  # eos not allowed yet
+        scores_2k = (offset[:, None] + values).ravel()
+        flat_2k = (np.arange(rows)[:, None] * vocab + best).ravel()  # beam * V + token
+        count = min(2 * num_beams, scores_2k.size)
+        top = np.lexsort((flat_2k, -scores_2k))[:count]  # best first, ties by beam then token
+        self.generated += 1
+        parents, tokens, scores = [], [], []
+        for rank, (flat, score) in enumerate(zip(flat_2k[top].tolist(),
+                                                 scores_2k[top].tolist())):
+            beam, token = divmod(flat, vocab)
+            if not math.isfinite(score):
+                break
+            if token == self.eos:
+                if rank < num_beams:
+                    self.keep_finished(list(self.beams[beam]), score, complete=True)
+                continue
+            parents.append(beam)
+            tokens.append(token)
+            scores.append(score)
+            if len(parents) == num_beams:
+                break
+        self.beams = [self.beams[p] + [t] for p, t in zip(parents, tokens)]
+        self.beam_scores = np.array(scores, np.float64)
+        self.done = self.is_done()
+        if not self.done and self.generated >= self.options.max_new_tokens:
+            for beam, score in zip(self.beams, self.beam_scores):
+                self.keep_finished(list(beam), float(score), complete=False)
+            self.done = True
+        if self.done:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.array(parents, np.int64), np.array(tokens, np.int64)
+
+    def is_done(self) -> bool:
+        if not self.beams:
+            return True
+        if len(self.finished) < self.options.num_beams:
+            return False
+        if self.options.early_stopping:
+            return True
+        # heuristic (as Hugging Face's early_stopping=False): the best running beam, scored at
+        # its current length, cannot beat the worst kept hypothesis
+        attainable = self.normalized(float(self.beam_scores.max()), self.generated)
+        return self.finished[-1].score >= attainable

@@ -1,0 +1,114 @@
+"""The per-sentence search state every strategy extends, and the registry of strategies.
+
+A strategy is a Search subclass registered with `register_search(name, applies)`, where
+`applies` tells from the options whether it is the one to run; `make_search` builds the one
+strategy whose test accepts the options. The tests are disjoint, so the order in which the
+strategy modules register does not matter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
+
+import numpy as np
+
+from tfserve.generation.options import DecodingOptions, Hypothesis
+
+
+class Search:
+    """The per-sentence search state; subclasses decide tokens from log-probabilities.
+
+    `advance` receives the logits [rows, V] of this search's current rows and their
+    logsumexp [rows] (log-probabilities are logits - logsumexp; banned tokens are -inf in the
+    logits but not in the logsumexp), and returns, for each of its next rows, the parent row
+    and the new token.
+    """
+
+    def __init__(self, options: DecodingOptions, eos_token_id: int, start_token_id: int) -> None:
+        self.options = options
+        self.eos = eos_token_id
+        self.start = start_token_id
+        self.generated = 0  # tokens decided so far, per row
+        self.done = False
+        self.finished: list[Hypothesis] = []
+        self.rows = 1
+        self.last_tokens = np.array([start_token_id], dtype=np.int64)
+        self.streamed: list[int] = []  # tokens appended by the last step, for streaming
+        # set by DecodeBatch.step when this search raised: it ended with this error, alone
+        self.error: BaseException | None = None
+
+    def block_eos(self, logits: np.ndarray) -> np.ndarray:
+        if self.generated < self.options.min_new_tokens:
+            logits = logits.copy()
+            logits[:, self.eos] = -np.inf
+        return logits
+
+    def candidates_per_row(self) -> int:
+        """Best tokens per row the batch should find for `advance` (0: none needed)."""
+        return 0
+
+    def top_needed(self) -> int:
+        """Best tokens per row `advance_candidates` needs, banned ones not counted (0: the
+        search needs the whole distribution, and only `advance` serves it)."""
+        return 0
+
+    def advance_candidates(self, ids: np.ndarray, log_probs: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray]:
+        """`advance` from each row's best tokens only: ids [rows,K] and their
+        log-probabilities [rows,K] (banned tokens already -inf)."""
+        raise NotImplementedError
+
+    def advance(self, logits: np.ndarray, lse: np.ndarray,
+                best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """best: each row's top candidates_per_row() token ids (any order), when the batch
+        computed them for all rows at once."""
+        raise NotImplementedError
+
+    def results(self) -> list[Hypothesis]:
+        ordered = sorted(self.finished, key=lambda h: -h.score)
+        return ordered[: self.options.num_return_sequences]
+
+
+class Strategy(NamedTuple):
+    """One entry of the registry."""
+
+    name: str
+    applies: Callable[[DecodingOptions], bool]  # whether these options ask for this strategy
+    search: type[Search]
+
+
+_STRATEGIES: dict[str, Strategy] = {}
+SearchType = TypeVar("SearchType", bound=type[Search])
+
+
+def register_search(name: str, applies: Callable[[DecodingOptions], bool]
+                    ) -> Callable[[SearchType], SearchType]:
+    """Class decorator: add a Search subclass to the strategies `make_search` chooses from.
+
+    applies(options) must be false for the options every other strategy accepts.
+    """
+
+    def register(search: SearchType) -> SearchType:
+        if name in _STRATEGIES:
+            raise ValueError(f"a search strategy named {name!r} is already registered "
+                             f"({_STRATEGIES[name].search.__name__})")
+        _STRATEGIES[name] = Strategy(name, applies, search)
+        return search
+
+    return register
+
+
+def registered_searches() -> dict[str, type[Search]]:
+    """Strategy name -> its Search subclass, in the order they registered."""
+    return {name: strategy.search for name, strategy in _STRATEGIES.items()}
+
+
+def make_search(options: DecodingOptions, eos_token_id: int, start_token_id: int) -> Search:
+    """The search state of one sentence, of the strategy the options ask for."""
+    chosen = [strategy for strategy in _STRATEGIES.values() if strategy.applies(options)]
+    if len(chosen) != 1:
+        raise ValueError(f"the decoding options fit {len(chosen)} search strategies "
+                         f"({[strategy.name for strategy in chosen]}) instead of one of "
+                         f"{list(_STRATEGIES)}: {options}")
+    return chosen[0].search(options, eos_token_id, start_token_id)
