@@ -1,4 +1,5 @@
-"""KV-cache row operations that run inside ONNX Runtime, so a device-resident cache stays put.
+"""KV-cache row operations that run inside ONNX Runtime, so a device-resident cache stays put
+(`tfserve.runtime.cache.DeviceCache`).
 
 On CUDA the decoder's present K/V are OrtValues in GPU memory. Continuous batching and beam
 search need four operations on them between steps: take rows (reorder / drop / duplicate),

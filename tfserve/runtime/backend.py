@@ -1,0 +1,293 @@
+"""`Runtime`: an artifacts directory on ONNX Runtime, implementing `generation.Backend`.
+
+It loads model.json, the two graphs and the tokenizer, checks the manifest against the
+graphs, and runs the encoder and one decoder step; the runs' feeds and fetches and the cache
+row operations go to the cache placement chosen once here (`tfserve.runtime.cache`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from tfserve.generation import StepOutput
+from tfserve.manifest import (
+    GROUPED_CROSS_REVISION,
+    MANIFEST_FILE,
+    TOP_OUTPUTS,
+    GraphFacts,
+    Manifest,
+    ManifestError,
+    decoder_io,
+    encoder_io,
+    read_graph_facts,
+)
+from tfserve.runtime.cache import CacheStorage, DeviceCache, HostCache
+from tfserve.runtime.providers import PROVIDERS, ProviderError, make_session, parse_device
+from tfserve.tokenizer import Tokenizer
+
+
+class Runtime:
+    """An exported model on ONNX Runtime; implements `generation.Backend`."""
+
+    def __init__(
+        self,
+        artifacts_dir: str | Path,
+        device: str = "cpu",
+        intra_op_threads: int = 0,
+        inter_op_threads: int = 0,
+        optimization: str = "all",
+        device_cache: bool | None = None,
+        allow_spinning: bool = False,
+    ) -> None:
+        """device_cache: keep the KV cache as OrtValues on the device (default: on CUDA)."""
+        self.directory = Path(artifacts_dir)
+        self.manifest = Manifest.load(self.directory)
+        self.config = cfg = self.manifest.config
+        self.tokenizer = Tokenizer(self.directory, self.manifest.tokenizer)
+        self.device = device
+        self.device_kind, self.device_index = parse_device(device)
+        session_args = dict(device=device, intra_op_threads=intra_op_threads,
+                            inter_op_threads=inter_op_threads, optimization=optimization,
+                            allow_spinning=allow_spinning)
+        # read before ONNX Runtime opens them: their external data must lie in the directory
+        encoder_facts = _graph_facts(self.directory / self.manifest.encoder_file,
+                                     self.directory)
+        decoder_facts = _graph_facts(self.directory / self.manifest.decoder_file,
+                                     self.directory)
+        self.encoder = _load_graph(self.directory / self.manifest.encoder_file, session_args)
+        self.decoder = _load_graph(self.directory / self.manifest.decoder_file, session_args)
+        self.float_dtype = np.float16 if self.manifest.dtype == "fp16" else np.float32
+        self.encoder_inputs, self.encoder_outputs = encoder_io(cfg.decoder_layers)
+        self.decoder_inputs, self.decoder_outputs = decoder_io(cfg.decoder_layers)
+        # the optional outputs of graph revision 2; older exports run without them
+        graph_outputs = {output.name for output in self.decoder.get_outputs()}
+        self.top_outputs = [name for name in TOP_OUTPUTS if name in graph_outputs]
+        if len(self.top_outputs) != len(TOP_OUTPUTS):
+            self.top_outputs = []
+        self.layers = cfg.decoder_layers
+        self._past_names = self.decoder_inputs[4 : 4 + 2 * self.layers]
+        self._cross_names = self.decoder_inputs[4 + 2 * self.layers :]
+        # the decoder takes cross K/V with one row per group of G rows (a sentence's beams)
+        revision = self.manifest.provenance.get("graph_revision", 1)
+        self.grouped_cross = revision >= GROUPED_CROSS_REVISION
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_id = cfg.eos_token_id
+        self.pad_token_id = cfg.pad_token_id
+        self.decoder_start_token_id = cfg.decoder_start_token_id
+        self.max_target_positions = cfg.max_target_positions
+        self.max_source_positions = cfg.max_source_positions
+        provider = PROVIDERS[self.device_kind]
+        self.device_cache = (provider.cache_on_device if device_cache is None
+                             else device_cache)
+        # where the KV cache lives between steps, chosen once: every run and row operation
+        # goes through it
+        cache_shape = (2 * self.layers, cfg.num_heads, cfg.head_dim, self.float_dtype)
+        self.cache_storage: CacheStorage = (
+            DeviceCache(*cache_shape, provider.memory, self.device_index,
+                        self.decoder.get_providers())
+            if self.device_cache else HostCache(*cache_shape))
+        self._check_against_graphs(encoder_facts, decoder_facts)
+
+    def _check_against_graphs(self, encoder_facts: GraphFacts,
+                              decoder_facts: GraphFacts) -> None:
+        """Refuse, naming the field, its value and the graph's figure, a manifest that claims
+        what its graphs do not take, instead of failing requests later (or, on CUDA, where an
+        out-of-range position is not an error, answering from garbage).
+
+        From the loaded graphs' inputs and outputs: the layers (the names), heads, head dim and
+        float type (past_key_0 [B,H,P,Dh]), the vocabulary (logits [B,T,V]). From the files:
+        the position tables (RotaryEmbedding cos/sin caches, sinusoidal or learned tables)
+        bound max_source_positions and max_target_positions; graphs that compute positions
+        (fp16 RoPE) have no bound. Then one decoder step at the last target position runs,
+        which proves that the graphs run together and, on CPU, that the position is taken.
+        """
+        where = self.directory / MANIFEST_FILE
+        cfg = self.config
+        files = {"encoder": self.manifest.encoder_file, "decoder": self.manifest.decoder_file}
+        expected = {"encoder": (self.encoder_inputs, self.encoder_outputs),
+                    "decoder": (self.decoder_inputs, self.decoder_outputs)}
+        for graph, loaded in (("encoder", self.encoder), ("decoder", self.decoder)):
+            inputs = {value.name for value in loaded.get_inputs()}
+            outputs = {value.name for value in loaded.get_outputs()}
+            # layers: the decoder takes past_key_l and the encoder gives cross_key_l per layer
+            marker, names = ("cross_key_", outputs) if graph == "encoder" else ("past_key_",
+                                                                                 inputs)
+            layers = sum(name.startswith(marker) for name in names)
+            if layers != cfg.decoder_layers:
+                raise ValueError(f"{where}: model.decoder_layers is {cfg.decoder_layers}, but "
+                                 f"{files[graph]} has {layers} decoder layers ({marker}*)")
+            wanted_in, wanted_out = expected[graph]
+            for kind, wanted, have in (("input", wanted_in, inputs),
+                                       ("output", wanted_out, outputs)):
+                missing = [name for name in wanted if name not in have]
+                if missing:
+                    raise ValueError(f"{where}: {files[graph]} has no {kind} {missing[0]!r}: "
+                                     f"not a tfserve {graph} graph")
+            extra = sorted(inputs - set(wanted_in))
+            if extra:
+                raise ValueError(f"{where}: {files[graph]} takes an input {extra[0]!r} that "
+                                 f"the {graph} interface does not have")
+        past = next(v for v in self.decoder.get_inputs() if v.name == "past_key_0")
+        heads, head_dim = past.shape[1], past.shape[3]  # [B,H,P,Dh]
+        if isinstance(heads, int) and heads != cfg.num_heads:
+            raise ValueError(f"{where}: model.num_heads is {cfg.num_heads}, but "
+                             f"{files['decoder']}'s past_key_0 has {heads} heads")
+        if isinstance(head_dim, int) and head_dim != cfg.head_dim:
+            raise ValueError(f"{where}: model.d_model {cfg.d_model} / num_heads "
+                             f"{cfg.num_heads} is a head dim of {cfg.head_dim}, but "
+                             f"{files['decoder']}'s past_key_0 has {head_dim}")
+        float_type = "tensor(float16)" if self.manifest.dtype == "fp16" else "tensor(float)"
+        if past.type != float_type:
+            raise ValueError(f"{where}: dtype is {self.manifest.dtype}, but "
+                             f"{files['decoder']}'s past_key_0 is {past.type}")
+        logits = next(v for v in self.decoder.get_outputs() if v.name == "logits")
+        vocab = logits.shape[-1]  # [B,T,V]
+        if isinstance(vocab, int) and vocab != cfg.vocab_size:
+            raise ValueError(f"{where}: model.vocab_size is {cfg.vocab_size}, but the decoder "
+                             f"graph's logits have {vocab} entries ({files['decoder']})")
+        if self.tokenizer.vocab_size > cfg.vocab_size:
+            name = self.manifest.tokenizer.vocab or self.manifest.tokenizer.source
+            raise ValueError(f"{where}: model.vocab_size is {cfg.vocab_size}, but the "
+                             f"tokenizer ({name}) has {self.tokenizer.vocab_size} ids")
+        for graph, facts, field_name, limit in (
+                ("encoder", encoder_facts, "max_source_positions", cfg.max_source_positions),
+                ("decoder", decoder_facts, "max_target_positions", cfg.max_target_positions)):
+            tables = facts.position_tables()
+            if not tables:
+                continue
+            table, rows = min(tables, key=lambda item: item[1])
+            if limit > rows:
+                takes = (f"the encoder graph cannot take {limit} tokens" if graph == "encoder"
+                         else f"the decoder graph cannot take position {limit - 1}")
+                raise ValueError(f"{where}: model.{field_name} is {limit}, but {takes}: "
+                                 f"{files[graph]}'s position table {table!r} has {rows} rows")
+        self._run_once(files)
+
+    def _run_once(self, files: dict[str, str]) -> None:
+        """Encode one token and decode one step at the last target position."""
+        where = self.directory / MANIFEST_FILE
+        cfg = self.config
+        input_ids = np.array([[cfg.eos_token_id]], np.int64)  # [1,1]
+        try:
+            _, cross = self.encode(input_ids, np.ones_like(input_ids))
+        except Exception as exc:  # onnxruntime's own classes too
+            raise ValueError(f"{self.directory / files['encoder']}: the encoder graph does "
+                             f"not run ({_first_line(exc)})") from None
+        last = cfg.max_target_positions - 1
+        try:
+            out = self.step(np.array([[cfg.decoder_start_token_id]], np.int64),  # [1,1]
+                            np.array([[last]], np.int64),  # [1,1]: the last position
+                            np.ones((1, 1), np.int64), np.ones((1, 1), np.int64),
+                            self.empty_past(1), cross)
+        except Exception as exc:
+            raise ValueError(f"{where}: the decoder graph cannot take position {last} "
+                             f"(model.max_target_positions {cfg.max_target_positions}): "
+                             f"{_first_line(exc)}") from None
+        vocab = out.logits.shape[-1]  # [1,1,V]
+        if vocab != cfg.vocab_size:
+            raise ValueError(f"{where}: model.vocab_size is {cfg.vocab_size}, but the decoder "
+                             f"graph's logits have {vocab} entries ({files['decoder']})")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "providers": self.decoder.get_providers(),
+            "intra_op_threads": self.decoder.get_session_options().intra_op_num_threads,
+            "dtype": self.manifest.dtype,
+            "quantization": self.manifest.quantization,
+        }
+
+    # -- encoder ----------------------------------------------------------------------------
+
+    def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray,
+                                                                                 list[Any]]:
+        """-> encoder hidden states [B,S,D] (numpy) and cross K/V [k_0, v_0, ...] [B,H,S,Dh]."""
+        feeds = {"input_ids": _int64(input_ids), "attention_mask": _int64(attention_mask)}
+        return self.cache_storage.run_encoder(self.encoder, feeds, self.encoder_outputs)
+
+    def hidden_states(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """Encoder hidden states [B,S,D] as float32 (for embeddings: no cross K/V fetched)."""
+        hidden = self.encoder.run(["encoder_hidden_states"], {
+            "input_ids": _int64(input_ids), "attention_mask": _int64(attention_mask)})[0]
+        return hidden.astype(np.float32, copy=False)
+
+    # -- decoder ----------------------------------------------------------------------------
+
+    def step(
+        self,
+        input_ids: np.ndarray,
+        position_ids: np.ndarray,
+        self_attention_mask: np.ndarray,
+        encoder_attention_mask: np.ndarray,
+        past: list[Any],
+        cross: list[Any],
+    ) -> StepOutput:
+        """One step -> logits float32 [B,T,V], the present cache [k_0, v_0, ...] and the
+        graph's top candidates when it has them (graph revision 2)."""
+        small = {
+            "input_ids": _int64(input_ids),
+            "position_ids": _int64(position_ids),
+            "self_attention_mask": _int64(self_attention_mask),
+            "encoder_attention_mask": _int64(encoder_attention_mask),
+        }
+        return self.cache_storage.run_decoder(self.decoder, small, self._past_names, past,
+                                              self._cross_names, cross, self.decoder_outputs,
+                                              self.top_outputs)
+
+    # -- cache rows (generation.Backend): numpy arrays or OrtValues (tfserve.runtime.cache) --
+
+    def empty_past(self, rows: int) -> list[Any]:
+        return self.cache_storage.empty_past(rows)
+
+    def take_rows(self, cache: Sequence[Any], index: np.ndarray, reuse: bool = False
+                  ) -> list[Any]:
+        return self.cache_storage.take_rows(cache, index, reuse)
+
+    def concat_rows(self, caches: Sequence[Sequence[Any]], length: int | None = None,
+                    left: bool = False, first_rows: np.ndarray | None = None,
+                    first_time: tuple[int, int] | None = None) -> list[Any]:
+        return self.cache_storage.concat_rows(caches, length, left, first_rows, first_time)
+
+    def pad_time(self, cache: Sequence[Any], length: int, left: bool) -> list[Any]:
+        return self.cache_storage.pad_time(cache, length, left)
+
+    def slice_time(self, cache: Sequence[Any], start: int, stop: int) -> list[Any]:
+        return self.cache_storage.slice_time(cache, start, stop)
+
+
+def _int64(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def _graph_facts(path: Path, directory: Path) -> GraphFacts:
+    """What the graph file declares; its external data files confined to `directory`."""
+    facts = read_graph_facts(path)
+    root = directory.resolve()
+    for location in sorted(facts.external_files):
+        # an absolute location replaces the base in the join; links are resolved
+        if not (path.parent / location).resolve().is_relative_to(root):
+            raise ManifestError(f"{path} names external data {location!r}, which is outside "
+                                f"{directory}")
+    return facts
+
+
+def _load_graph(path: Path, session_args: dict[str, Any]) -> ort.InferenceSession:
+    """make_session, with ONNX Runtime's load errors (empty, truncated or foreign files,
+    missing external data) as one ValueError naming the file."""
+    try:
+        return make_session(path, **session_args)
+    except ProviderError:
+        raise  # the device's own message
+    except Exception as exc:  # onnxruntime's own classes (InvalidProtobuf, Fail, ...)
+        raise ValueError(f"{path}: not a loadable ONNX graph ({_first_line(exc)})") from None
+
+
