@@ -1,0 +1,206 @@
+"""The encoder-decoder stacks and the model: `Seq2SeqTransformer`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tfserve.config import ModelConfig
+from tfserve.manifest import TOP_CANDIDATES
+from tfserve.model.attention import KVCache, blocked_to_bias
+from tfserve.model.layers import DecoderLayer, Embeddings, EncoderLayer
+from tfserve.model.positions import RotaryEmbedding
+
+
+class Seq2SeqTransformer(nn.Module):
+    """Encoder-decoder Transformer with an incremental (KV-cached) decoder."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        shared = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_token_id)
+        self.shared = shared
+        self.encoder_embed = Embeddings(cfg, shared, cfg.max_source_positions)
+        self.decoder_embed = Embeddings(cfg, shared, cfg.max_target_positions)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        pre = cfg.norm == "pre"
+        # pre-norm stacks leave the residual stream unnormalised, so each ends with a LayerNorm
+        self.encoder_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if pre else None
+        self.decoder_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if pre else None
+        rope = cfg.positions == "rope"
+        max_positions = max(cfg.max_source_positions, cfg.max_target_positions)
+        self.rope = (RotaryEmbedding(cfg.head_dim, cfg.rope_base, max_positions) if rope
+                     else None)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = shared.weight
+        if cfg.final_logits_bias:
+            self.final_logits_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+        else:
+            self.final_logits_bias = None
+        # export-time switch (export.graphs): trace attention as ONNX Runtime's fused
+        # MultiHeadAttention op; the eager maths are the same either way
+        self.use_fused_attention = False
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.config.d_model**-0.5
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        nn.init.normal_(self.shared.weight, std=std)
+        if not self.config.tie_word_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=std)
+        with torch.no_grad():
+            self.shared.weight[self.config.pad_token_id].zero_()
+
+    # -- input checks (eager only: they would be data-dependent branches in a traced graph) --
+
+    def _check_ids(self, name: str, ids: torch.Tensor, limit: int) -> None:
+        if torch.jit.is_tracing() or torch.compiler.is_compiling():
+            return
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name} must be an integer tensor, got {ids.dtype}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+            raise ValueError(
+                f"{name} holds ids outside [0, {limit}): min {int(ids.min())}, max {int(ids.max())}"
+            )
+
+    # -- encoder ------------------------------------------------------------------------------
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """input_ids, attention_mask [B,S] (1 token, 0 pad) -> encoder hidden states [B,S,D]."""
+        self._check_ids("input_ids", input_ids, self.config.vocab_size)
+        if not (torch.jit.is_tracing() or torch.compiler.is_compiling()):
+            if input_ids.shape[1] > self.config.max_source_positions:
+                raise ValueError(
+                    f"input_ids length {input_ids.shape[1]} exceeds max_source_positions "
+                    f"{self.config.max_source_positions}"
+                )
+        seq_len = input_ids.shape[1]
+        position_ids = torch.arange(seq_len, device=input_ids.device)[None, :]  # [1,S]
+        position_ids = position_ids.expand_as(input_ids)  # [B,S]
+        x = self.encoder_embed(input_ids, position_ids)
+        mask = attention_mask[:, None, None, :] == 0  # [B,1,1,S] keys that are padding
+        if self.use_fused_attention:
+            # the fused kernel wants the bias at its full [B,1,S,S] shape
+            mask = blocked_to_bias(mask.expand(-1, -1, seq_len, -1), x.dtype)
+        rope = self.rope(position_ids) if self.rope is not None else None
+        for layer in self.encoder_layers:
+            x = layer(x, mask, rope)
+        if self.encoder_norm is not None:
+            x = self.encoder_norm(x)
+        return x
+
+    def cross_kv(self, encoder_hidden_states: torch.Tensor) -> KVCache:
+        """Every decoder layer's cross-attention K/V, computed once per source: [B,H,S,Dh]."""
+        return [layer.cross_attn.project_kv(encoder_hidden_states) for layer in self.decoder_layers]
+
+    # -- decoder ------------------------------------------------------------------------------
+
+    def empty_cache(self, batch: int, device: torch.device | None = None,
+                    dtype: torch.dtype | None = None) -> KVCache:
+        """A P = 0 self-attention cache for the first step."""
+        dtype = dtype or self.shared.weight.dtype
+        shape = (batch, self.config.num_heads, 0, self.config.head_dim)  # [B,H,0,Dh]
+        return [
+            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device,
+                                                                         dtype=dtype))
+            for _ in self.decoder_layers
+        ]
+
+    def decode_step(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        self_attention_mask: torch.Tensor,
+        encoder_attention_mask: torch.Tensor,
+        past: KVCache,
+        cross: KVCache,
+    ) -> tuple[torch.Tensor, KVCache]:
+        """One decoder call over T new tokens; returns logits [B,T,V] and the grown cache.
+
+        input_ids, position_ids [B,T]; self_attention_mask [B,P+T] (0 = a hole: a cache slot
+        this row never filled); encoder_attention_mask [B,S]; past [B,H,P,Dh] per layer;
+        cross [B,H,S,Dh] per layer. New token t sits at key index P + t and may see the keys
+        j <= P + t that its row's mask marks valid (look-ahead + padding masks).
+        """
+        self._check_ids("decoder input_ids", input_ids, self.config.vocab_size)
+        if (self.config.positions != "rope" and not torch.jit.is_tracing()
+                and not torch.compiler.is_compiling() and position_ids.numel()):
+            limit = self.config.max_target_positions
+            if int(position_ids.max()) >= limit or int(position_ids.min()) < 0:
+                raise ValueError(f"position_ids must be in [0, max_target_positions={limit})")
+        new_len = input_ids.shape[1]
+        total_len = self_attention_mask.shape[1]
+        query_pos = torch.arange(new_len, device=input_ids.device) + (total_len - new_len)  # [T]
+        key_pos = torch.arange(total_len, device=input_ids.device)  # [P+T]
+        future = key_pos[None, :] > query_pos[:, None]  # [T,P+T] look-ahead
+        self_blocked = (self_attention_mask[:, None, None, :] == 0) | future  # [B,1,T,P+T]
+        # the cross K/V and encoder mask may have one row per group of G consecutive rows
+        # (a beam search's rows share their sentence's): Bc = B / G rows
+        cross_blocked = encoder_attention_mask[:, None, None, :] == 0  # [Bc,1,1,S]
+        if self.use_fused_attention:
+            # additive biases at the full shapes the fused kernel takes: [B,1,T,P+T] and,
+            # with a group's queries side by side, [Bc,1,G*T,S]
+            dtype = self.shared.weight.dtype
+            self_blocked = blocked_to_bias(self_blocked, dtype)  # type: ignore[assignment]
+            group_queries = input_ids.shape[0] * new_len // encoder_attention_mask.shape[0]
+            cross_blocked = blocked_to_bias(
+                cross_blocked.expand(-1, -1, group_queries, -1), dtype)
+
+        x = self.decoder_embed(input_ids, position_ids)
+        rope = self.rope(position_ids) if self.rope is not None else None
+        present: KVCache = []
+        for layer, layer_past, layer_cross in zip(self.decoder_layers, past, cross):
+            x, kv = layer(x, self_blocked, cross_blocked, layer_past, layer_cross, rope)
+            present.append(kv)
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        logits = self.lm_head(x)  # [B,T,V]
+        if self.final_logits_bias is not None:
+            logits = logits + self.final_logits_bias
+        return logits, present
+
+    def top_candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each position's best K = min(TOP_CANDIDATES, V) log-probabilities [B,T,K] (float32
+        even for fp16 logits: the search's scores accumulate them; best first) and their token
+        ids [B,T,K]: the decoder graph's top outputs, and the eager backend's."""
+        k = min(TOP_CANDIDATES, self.config.vocab_size)
+        # no cast of fp32 logits: traced, .float() is a Cast that copies [B,T,V] every step
+        # (ONNX Runtime keeps it, its output being a graph output)
+        scores = logits if logits.dtype == torch.float32 else logits.float()
+        return scores.log_softmax(dim=-1).topk(k, dim=-1)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        decoder_input_ids: torch.Tensor,
+        decoder_attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Teacher-forced logits [B,T,V] for right-padded decoder inputs [B,T]."""
+        hidden = self.encode(input_ids, attention_mask)
+        batch, tgt_len = decoder_input_ids.shape
+        if decoder_attention_mask is None:
+            decoder_attention_mask = torch.ones_like(decoder_input_ids)
+        position_ids = torch.arange(tgt_len, device=decoder_input_ids.device).expand(batch, -1)
+        logits, _ = self.decode_step(
+            decoder_input_ids,
+            position_ids,
+            decoder_attention_mask,
+            attention_mask,
+            self.empty_cache(batch, decoder_input_ids.device, hidden.dtype),
+            self.cross_kv(hidden),
+        )
+        return logits
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+# -- checkpoints ----------------------------------------------------------------------------
