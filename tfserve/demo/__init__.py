@@ -11,8 +11,9 @@ the checkpoint on first use (that step needs the `export` extra: torch and onnx)
 from __future__ import annotations
 
 import hashlib
-import importlib
+import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -53,10 +54,10 @@ class DemoUnavailableError(RuntimeError, ValueError):
 def export_unavailable() -> str | None:
     """Why this install cannot run `python -m export` ("No module named 'torch'"), or None."""
     for name in EXPORT_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            return str(exc).splitlines()[0] if str(exc) else f"cannot import {name}"
+        # found, not imported: the export runs in a process of its own, and the serving
+        # process never loads torch
+        if importlib.util.find_spec(name) is None:
+            return f"No module named '{name}'"
     return None
 
 
@@ -77,11 +78,12 @@ def default_artifacts(quiet: bool = True) -> Path:
             "the demo model is not exported yet and this install cannot export it "
             f"({missing}): pip install \"tfserve[export]\", or pass --model DIR with an "
             "exported model")
-    from export.cli import main as export_main
-
     print(f"exporting the demo model to {out} (first use) ...", file=sys.stderr, flush=True)
-    args = ["--checkpoint", str(CHECKPOINT_DIR), "--out", str(out), "--force"]
-    code = export_main(args + (["--quiet"] if quiet else []))
+    # `python -m export` in a process of its own: the serving package never imports export
+    # (imports run one way, from export down to tfserve), and torch stays out of this process
+    args = [sys.executable, "-m", "export", "--checkpoint", str(CHECKPOINT_DIR), "--out",
+            str(out), "--force"]
+    code = subprocess.run(args + (["--quiet"] if quiet else []), check=False).returncode
     if code != 0:
         raise RuntimeError(f"exporting the demo model failed (exit code {code})")
     return out
