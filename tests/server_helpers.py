@@ -79,7 +79,8 @@ class ServerThread:
     """
 
     def __init__(self, argv: Sequence[str], runtime: Any | None = None) -> None:
-        from tfserve.server import TranslatorServer, parse_config
+        from tfserve.serving.grpc_server import TranslatorServer
+        from tfserve.settings import parse_config
 
         self.config = parse_config(list(argv), environ={})
         self.server = TranslatorServer(self.config, runtime)

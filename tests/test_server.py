@@ -152,12 +152,12 @@ def test_stream_chunks_concatenate_to_unary(client: Client, options: dict[str, A
 
 
 def test_text_deltas_with_sentencepiece_whitespace(random_runtime: Any) -> None:
-    from tfserve.server import _TextDelta
+    from tfserve.serving.stream import TextDelta
 
     tokenizer = random_runtime.tokenizer
     target = "quatre cent douze mille six cents"
     ids = tokenizer.encode(target)[:-1]
-    delta = _TextDelta(tokenizer.decode)
+    delta = TextDelta(tokenizer.decode)
     pieces = [delta.push([token]) for token in ids]
     assert "".join(pieces) == tokenizer.decode(ids)
 
@@ -845,7 +845,7 @@ def test_max_message_size(random_model: Path, random_runtime: Any) -> None:
 
 
 def test_flags_and_env_vars() -> None:
-    from tfserve.server import parse_config
+    from tfserve.settings import parse_config
 
     env = {"TFSERVE_PORT": "6000", "TFSERVE_MAX_QUEUE": "7", "TFSERVE_MODEL": "/models/x",
            "TFSERVE_MAX_WAIT_MS": "0.5"}
@@ -873,7 +873,7 @@ def test_event_loop_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     error naming the flag."""
     import sys
 
-    from tfserve.server import event_loop_runner
+    from tfserve.process import event_loop_runner
 
     assert event_loop_runner("asyncio") is asyncio.run
     try:
@@ -1054,7 +1054,7 @@ def test_keep_freed_memory_respects_the_operators_malloc_settings() -> None:
     import subprocess
     import sys
 
-    code = "from tfserve.server import keep_freed_memory; print(keep_freed_memory())"
+    code = "from tfserve.process import keep_freed_memory; print(keep_freed_memory())"
     clean = {name: value for name, value in os.environ.items()
              if not name.startswith("MALLOC_")}
     for extra, expected in (({"MALLOC_ARENA_MAX": "2"}, "False"), ({}, "True")):

@@ -109,7 +109,8 @@ def _worker(config: ServerConfig, index: int, serving: Any) -> None:
         ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # not glibc: an orphaned worker is stopped by hand
         pass
-    from tfserve.server import run_server, setup_logging
+    from tfserve.logs import setup_logging
+    from tfserve.server import run_server
 
     setup_logging(config.log_format, config.log_level)
     sys.exit(run_server(config, worker=index, on_serving=serving.set))

@@ -1,0 +1,192 @@
+"""Per-call bookkeeping, whatever the transport.
+
+`Calls` is the server's side: how many calls are in flight (the drain waits for none), whether
+new ones are still taken, the per-(rpc, status) metrics. `Call` is one of them: its request
+id, its deadline, the job it waits on, and at its end one metrics update and one access-log
+record. The front end supplies what only it knows (the peer, the id sent in metadata or a
+header, the time left before the client's deadline) and answers the status `Call.failed`
+returns in its own way.
+
+Everything here runs on the event loop's thread; job results arrive from the scheduler's
+worker thread through `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+import uuid
+from typing import Any
+
+from tfserve.metrics import Metrics
+from tfserve.scheduler import Cancelled, Job, ModelError
+from tfserve.serving.requests import check_request_id
+from tfserve.serving.status import (
+    Draining,
+    InvalidArgument,
+    ResponseTooLarge,
+    Status,
+    status_for,
+)
+
+REQUEST_ID_KEY = "x-request-id"  # the metadata key (or HTTP header) that carries the id
+# how a call that its client ended shows up: the handler's task is cancelled, or the
+# generator behind a stream is closed
+CALL_ENDED = (asyncio.CancelledError, GeneratorExit)
+
+log = logging.getLogger("tfserve.server")
+access_log = logging.getLogger("tfserve.access")
+
+
+class Calls:
+    """The server's calls: in-flight count and idle event, draining flag, RPC metrics."""
+
+    def __init__(self, metrics: Metrics, max_message_bytes: int) -> None:
+        self.metrics = metrics
+        self.max_message_bytes = max_message_bytes
+        self.draining = False
+        self.in_flight = 0
+        self.idle = asyncio.Event()  # set while no call is in flight
+        self.idle.set()
+        self._rpc_metrics: dict[tuple[str, Status], tuple[Any, Any]] = {}
+
+    def started(self) -> None:
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+        self.idle.clear()
+
+    def finished(self, rpc: str, status: Status, seconds: float) -> None:
+        metrics = self._rpc_metrics.get((rpc, status))
+        if metrics is None:  # labelled children, looked up once per (rpc, status)
+            metrics = self._rpc_metrics[(rpc, status)] = (
+                self.metrics.requests.labels(rpc, status.name),
+                self.metrics.request_seconds.labels(rpc))
+        metrics[0].inc()
+        metrics[1].observe(seconds)
+        self.in_flight -= 1
+        self.metrics.in_flight.dec()
+        if self.in_flight == 0:
+            self.idle.set()
+
+
+class Call:
+    """One call: request id, deadline, in-flight count, metrics, access log, error status."""
+
+    def __init__(self, calls: Calls, rpc: str, given_id: str = "", peer: str = "",
+                 time_remaining: float | None = None,
+                 invalid: InvalidArgument | None = None) -> None:
+        self.calls = calls
+        self.rpc = rpc
+        self.started = time.perf_counter()
+        self.job: Job | None = None
+        self.texts = 0
+        self.peer = peer
+        self.invalid = invalid  # raised by begin(): a message that did not parse, a bad id
+        self.request_id = uuid.uuid4().hex
+        if given_id:
+            try:
+                self.request_id = check_request_id(given_id)
+            except InvalidArgument as exc:
+                self.invalid = self.invalid or exc
+        # None (or, in some grpc versions, a huge value) when the client set no deadline
+        self.deadline = (time.monotonic() + time_remaining
+                         if time_remaining is not None and time_remaining < 1e8 else None)
+
+    def begin(self) -> None:
+        """Count the call in flight; refuse it while draining or when its input is invalid."""
+        self.calls.started()
+        if self.calls.draining:
+            raise Draining("the server is shutting down; retry on another replica")
+        if self.invalid is not None:
+            raise self.invalid
+
+    def check_size(self, size: int) -> None:
+        """ResponseTooLarge when an answer of `size` bytes would be refused by the transport:
+        then the failure is logged and counted as what the client sees."""
+        limit = self.calls.max_message_bytes
+        if size > limit:
+            raise ResponseTooLarge(f"the response is {size} bytes, over the server's "
+                                   f"--max-message-bytes of {limit}; ask for fewer texts or "
+                                   "without hidden states")
+
+    def watch(self, job: Job) -> asyncio.Future[list[Any]]:
+        """A future of this loop for the job's results.
+
+        The worker thread settles it directly (one call_soon_threadsafe per request). Unlike
+        asyncio.wrap_future, cancelling the call does not cancel the job's future, so
+        failed() can still record why (deadline or cancelled).
+        """
+        self.job = job
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[list[Any]] = loop.create_future()
+        job.future.add_done_callback(
+            lambda done: loop.call_soon_threadsafe(_settle, waiter, done))
+        return waiter
+
+    async def wait(self, job: Job) -> list[Any]:
+        """The job's results; when the call is cancelled, the job is cancelled with it."""
+        return await self.watch(job)
+
+    def expired(self) -> bool:
+        """Whether the client's deadline has passed (the transport ends the call right at it).
+
+        From our own copy of the deadline: the call may be over, and the transport's context
+        must not be used then. Ours was taken a moment after the transport's own: allow for
+        the difference.
+        """
+        return self.deadline is not None and time.monotonic() >= self.deadline - 0.05
+
+    def failed(self, exc: BaseException) -> tuple[Status, str]:
+        """Record the failure (the job stops, metrics, access log); the status to answer.
+
+        For CALL_ENDED (the client went away or its deadline passed) there is nobody to
+        answer: the front end re-raises it, and the job's rows leave before the next step.
+        """
+        if isinstance(exc, CALL_ENDED):
+            reason = "deadline" if self.expired() else "cancelled"
+            if self.job is not None:
+                self.job.cancel(reason)
+            status = Status.DEADLINE_EXCEEDED if reason == "deadline" else Status.CANCELLED
+            self.finish(status, reason)
+            return status, reason
+        status, details = status_for(exc)
+        if status == Status.INTERNAL and not isinstance(exc, ModelError):
+            log.error("%s %s failed", self.rpc, self.request_id, exc_info=exc)
+        if self.job is not None:
+            self.job.cancel()  # a failure outside the scheduler: stop its work too
+        self.finish(status, details)
+        return status, details
+
+    def finish(self, status: Status, details: str = "") -> None:
+        """Count the call as ended with `status` and write its access-log record."""
+        elapsed = time.perf_counter() - self.started
+        self.calls.finished(self.rpc, status, elapsed)
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        record: dict[str, Any] = {
+            "request_id": self.request_id,
+            "rpc": self.rpc,
+            "status": status.name,
+            "texts": self.texts,
+            "tokens": self.job.generated_tokens if self.job else 0,
+            "queue_ms": round(self.job.queue_seconds * 1000, 3) if self.job else 0.0,
+            "total_ms": round(elapsed * 1000, 3),
+            "peer": self.peer,
+        }
+        if details and status != Status.OK:
+            record["error"] = details
+        access_log.info("request", extra={"fields": record})
+
+
+def _settle(waiter: asyncio.Future[Any], done: concurrent.futures.Future[Any]) -> None:
+    """On the event loop: pass a job's outcome on to the call awaiting it (unless it left)."""
+    if waiter.done():  # the call was cancelled meanwhile
+        return
+    if done.cancelled():
+        waiter.set_exception(Cancelled("request cancelled"))
+    elif done.exception() is not None:
+        waiter.set_exception(done.exception())  # type: ignore[arg-type]
+    else:
+        waiter.set_result(done.result())

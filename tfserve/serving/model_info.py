@@ -1,0 +1,110 @@
+"""What the server tells clients about its model and limits, as plain data.
+
+The field names are those of the `tfserve.v1.ModelInfo` message (`Limits`, `ParitySummary`),
+so that a front end converts `dataclasses.asdict(info)` as it is: the gRPC adapter into the
+message, an HTTP one into JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from tfserve.generation import DecodingOptions
+from tfserve.settings import ServerConfig
+from tfserve.version import __version__
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The server's request limits (docs/server.md, flags)."""
+
+    max_texts_per_request: int
+    max_batch_size: int
+    max_batch_tokens: int
+    max_queue: int
+    max_message_bytes: int
+    default_max_new_tokens: int
+    max_beams: int
+
+
+@dataclass(frozen=True)
+class ParitySummary:
+    """The export's parity check against the PyTorch model, from the manifest."""
+
+    passed: bool
+    max_abs_logits_diff: float
+    greedy_agreement: float
+    precision: str
+    device: str
+    report_json: str
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model's shape, where it runs, the server's limits and the export's parity."""
+
+    model_name: str
+    source_language: str
+    target_language: str
+    max_source_tokens: int
+    max_target_tokens: int
+    vocab_size: int
+    d_model: int
+    encoder_layers: int
+    decoder_layers: int
+    num_heads: int
+    positions: str
+    dtype: str
+    quantization: str
+    limits: Limits
+    device: str
+    providers: list[str]
+    tfserve_version: str
+    parity: ParitySummary
+
+
+def model_info(runtime: Any, config: ServerConfig, max_new_tokens_limit: int) -> ModelInfo:
+    """ModelInfo of `runtime` served with `config` (max_new_tokens_limit: the scheduler's)."""
+    model = runtime.config
+    manifest = runtime.manifest
+    parity = dict(manifest.parity or {})
+    describe = runtime.describe()
+    return ModelInfo(
+        model_name=model.name,
+        source_language=model.source_language,
+        target_language=model.target_language,
+        max_source_tokens=model.max_source_positions,
+        max_target_tokens=model.max_target_positions,
+        vocab_size=model.vocab_size,
+        d_model=model.d_model,
+        encoder_layers=model.encoder_layers,
+        decoder_layers=model.decoder_layers,
+        num_heads=model.num_heads,
+        positions=model.positions,
+        dtype=manifest.dtype,
+        quantization=manifest.quantization or "",
+        limits=Limits(
+            max_texts_per_request=config.max_texts_per_request,
+            max_batch_size=config.max_batch_size,
+            max_batch_tokens=config.max_batch_tokens,
+            max_queue=config.max_queue,
+            max_message_bytes=config.max_message_bytes,
+            default_max_new_tokens=(config.default_max_new_tokens
+                                    or DecodingOptions().validate(
+                                        max_new_tokens_limit).max_new_tokens),
+            max_beams=DecodingOptions.MAX_BEAMS,
+        ),
+        device=describe.get("device", config.device),
+        providers=describe.get("providers", []),
+        tfserve_version=__version__,
+        parity=ParitySummary(
+            passed=bool(parity.get("passed", False)),
+            max_abs_logits_diff=float(parity.get("max_abs_diff", {}).get("max_logits", 0.0)),
+            greedy_agreement=float(parity.get("greedy", {}).get("agreement", 0.0)),
+            precision=str(parity.get("precision", "")),
+            device=str(parity.get("device", "")),
+            report_json=json.dumps(parity, sort_keys=True),
+        ),
+    )
