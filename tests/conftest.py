@@ -54,3 +54,12 @@ def tiny_spm_dir(tmp_path: Path, tiny_spm_bytes: bytes) -> Path:
     """A directory holding source.spm (the tiny model) for Tokenizer(directory, spec)."""
     (tmp_path / "source.spm").write_bytes(tiny_spm_bytes)
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random RoPE model with the demo's tokenizer, exported once per run (needs
+    torch): random weights rarely emit eos, so request lengths are set by the request."""
+    from server_helpers import export_random_model
+
+    return export_random_model(tmp_path_factory.mktemp("random-model") / "artifacts")

@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 import pytest
-from server_helpers import ROOT, ServerThread, export_random_model, server_args
+from server_helpers import ROOT, ServerThread, server_args
 
 from tfserve import cli
 from tfserve.argparsing import (
@@ -41,11 +41,6 @@ DECODE = ["--max-new-tokens", "3", "--threads", "1"]
 
 
 # -- fixtures -------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_random_model(tmp_path_factory.mktemp("random-model") / "artifacts")
 
 
 @pytest.fixture(scope="module")

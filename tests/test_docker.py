@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_helpers import ServerThread, export_random_model, server_args
+from server_helpers import ServerThread, server_args
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -246,11 +246,6 @@ def container(engine: str, image: str) -> Any:
         yield box
     finally:
         box.remove()
-
-
-@pytest.fixture(scope="module")
-def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_random_model(tmp_path_factory.mktemp("docker-model") / "artifacts")
 
 
 # -- the image, for real ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from server_helpers import ROOT, ServerProcess, ServerThread, export_random_model, server_args
+from server_helpers import ROOT, ServerProcess, ServerThread, server_args
 
 from tfserve.client import Client, ServerError
 from tfserve.proto import load as load_stubs
@@ -30,8 +30,8 @@ ENCODE = "/tfserve.v1.Translator/Encode"
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_random_model(tmp_path_factory.mktemp("hard-edges") / "random-model")
+def model(random_model: Path) -> Path:
+    return random_model
 
 
 def long_request(request_id: str = "", tokens: int = 100) -> bytes:

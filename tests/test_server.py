@@ -33,7 +33,6 @@ from server_helpers import (
     ServerProcess,
     ServerThread,
     demo_trained,
-    export_random_model,
     server_args,
     wait_queued,
 )
@@ -49,11 +48,6 @@ TEXTS = ["seven", "twenty-one", "three hundred and forty-two", "eight thousand a
 
 
 # -- fixtures -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_random_model(tmp_path_factory.mktemp("random-model") / "artifacts")
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
-from server_helpers import ROOT, ProcessGate, ServerProcess, export_random_model, server_args
+from server_helpers import ROOT, ProcessGate, ServerProcess, server_args
 
 from tfserve.client import translate_request
 from tfserve.proto import translator_pb2_grpc as pb2_grpc
@@ -26,11 +26,6 @@ from tfserve.settings import parse_config
 from tfserve.workers import metrics_url, worker_configs
 
 TEXTS = ["seven", "twenty-one", "three hundred and forty-two", "ninety-nine"]
-
-
-@pytest.fixture(scope="module")
-def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_random_model(tmp_path_factory.mktemp("random-model") / "artifacts")
 
 
 def free_ports(count: int) -> int:
