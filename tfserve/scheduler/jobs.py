@@ -224,13 +224,6 @@ class Outcomes:
         self.metrics.model_errors.labels("search").inc()
         item.job._fail(ModelError(f"decoding failed: {type(exc).__name__}: {exc}"))
 
-    def step_failed_alone(self, item: WorkItem, error: BaseException) -> None:
-        """A decoder run failed for this request's rows run alone: only its request fails."""
-        log.error("model run failed (step) for one request: %s", error)
-        self.stats.model_errors += 1
-        self.metrics.model_errors.labels("step").inc()
-        item.job._fail(ModelError(f"model run failed (step): {error}"))
-
     def model_failed(self, stage: str, exc: BaseException, jobs: set[Job]) -> None:
         """A model run failed for these requests: each fails with ModelError."""
         log.error("model run failed (%s) for %d request(s): %s", stage, len(jobs), exc,

@@ -345,11 +345,9 @@ class Scheduler:
         try:
             self._model_call("step")
             finished = batch.step()
-        except BatchRunError as exc:
-            if not self._isolate_failed_run(members, exc):
-                self._fail_batch("step", exc, {member.tag.job for member in members})
-            return
         except Exception as exc:
+            if isinstance(exc, BatchRunError) and self._isolate_failed_run(members):
+                return
             # searches that finished before the failure have their answers: deliver them;
             # the batch's run failed for the others
             for member in members:
@@ -383,7 +381,7 @@ class Scheduler:
             except Exception as exc:  # this request's own bookkeeping: it alone fails
                 self._outcomes.search_failed(item, exc)
 
-    def _isolate_failed_run(self, members: list[Any], exc: BatchRunError) -> bool:
+    def _isolate_failed_run(self, members: list[Any]) -> bool:
         """After a failed decoder run, run each member's rows alone: when some fail alone and
         others do not, only the failing ones leave the batch and fail their requests; the
         others step on at the next pass. False when no such split exists (every member fails
@@ -399,7 +397,7 @@ class Scheduler:
             return False
         self._batch.remove({item for item, _ in culprits})
         for item, error in culprits:
-            self._outcomes.step_failed_alone(item, error)
+            self._outcomes.model_failed("step", error, {item.job})
         return True
 
     def _fail_batch(self, stage: str, exc: BaseException, extra: set[Job] | None = None) -> None:
