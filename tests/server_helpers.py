@@ -64,6 +64,13 @@ def demo_trained() -> bool:
     return (DEMO_CHECKPOINT / "model.safetensors").is_file()
 
 
+def free_port() -> int:
+    """A loopback port nobody listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def server_args(model: Path, *extra: str) -> list[str]:
     """Flags for a test server: loopback, ephemeral port, no metrics port, one ORT thread."""
     return ["--model", str(model), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",

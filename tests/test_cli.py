@@ -15,7 +15,6 @@ import io
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from typing import Any
 
 import grpc
 import pytest
-from server_helpers import ROOT, ServerThread, server_args
+from server_helpers import ROOT, ServerThread, free_port, server_args
 
 from tfserve import cli
 from tfserve.argparsing import (
@@ -79,13 +78,6 @@ def run_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
         code = exited.code if isinstance(exited.code, int) else EXIT_FAILURE
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # -- help -----------------------------------------------------------------------------------------

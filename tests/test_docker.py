@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_helpers import ServerThread, server_args
+from server_helpers import ServerThread, free_port, server_args
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -125,7 +125,7 @@ class Container:
             self.metrics_port = self._published(METRICS_PORT)
         else:  # port publishing unavailable (some sandboxes): share the host's network
             run(engine, "rm", "-f", name)
-            self.grpc_port, self.metrics_port = _free_port(), _free_port()
+            self.grpc_port, self.metrics_port = free_port(), free_port()
             run(engine, *common, "--network", "host",
                 "-e", f"TFSERVE_PORT={self.grpc_port}",
                 "-e", f"TFSERVE_METRICS_PORT={self.metrics_port}",
@@ -191,12 +191,6 @@ def _wait_in_flight(metrics_port: int, worker: threading.Thread, timeout: float 
     return False
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _name(what: str) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from server_helpers import ROOT, ServerProcess, ServerThread, server_args
+from server_helpers import ROOT, ServerProcess, ServerThread, free_port, server_args
 
 from tfserve.client import Client, ServerError
 from tfserve.proto import load as load_stubs
@@ -455,13 +455,10 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(tmp_path: Path,
 
 
 def test_metrics_bind_their_own_host_and_answer_only_on_metrics(model: Path) -> None:
-    import socket
     import urllib.error
     import urllib.request
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     args = ["--model", str(model), "--host", "0.0.0.0", "--port", "0", "--metrics-host",
             "127.0.0.1", "--metrics-port", str(port), "--threads", "1", "--log-level", "warning"]
     with ServerThread(args) as running:

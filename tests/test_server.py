@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import socket
 import time
 import urllib.request
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from server_helpers import (
     ServerProcess,
     ServerThread,
     demo_trained,
+    free_port,
     server_args,
     wait_queued,
 )
@@ -94,12 +94,6 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def demo_server(demo_model: Path) -> Any:
     with ServerThread(server_args(demo_model)) as running:
         yield running
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def same(a: list[Any], b: list[Any], atol: float = 1e-4) -> bool:
