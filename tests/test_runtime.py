@@ -315,10 +315,12 @@ def test_cuda_matches_cpu() -> None:
     cpu = Runtime(artifacts("rope", "pre"))
     cuda = Runtime(artifacts("rope", "pre"), device="cuda")
     _, (ids, mask) = mixed_batch(cpu, [5, 9, 2])
+    # ONNX Runtime's CUDA provider runs fp32 MatMuls in TF32 (its use_tf32 default): a
+    # token's log-probability moves by ~5e-4 (measured on an H100: 0.005 over 12 tokens)
     for options in (DecodingOptions(max_new_tokens=12),
                     DecodingOptions(max_new_tokens=12, num_beams=4)):
         assert_same(generate(cpu, ids, mask, options), generate(cuda, ids, mask, options),
-                    "cuda vs cpu", atol=1e-3)
+                    "cuda vs cpu", atol=2e-2)
 
 
 # -- the CLI ------------------------------------------------------------------------------------
