@@ -2,7 +2,10 @@
 
 Each `Metrics` owns its registry, so several servers (tests) can live in one process, and
 `serve_http` exposes it on its own port. The scheduler updates the model-side metrics from its
-worker thread; prometheus_client's metrics are thread-safe.
+worker thread; prometheus_client's metrics are thread-safe. The registry also carries the
+standard process, platform and garbage-collector collectors (process_resident_memory_bytes,
+process_cpu_seconds_total, python_gc_*), and no `*_created` series: they double the counters'
+and histograms' lines for a value (the process start, near enough) no dashboard reads.
 """
 
 from __future__ import annotations
@@ -20,7 +23,11 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
     generate_latest,
     make_wsgi_app,
 )
@@ -31,19 +38,38 @@ from prometheus_client.parser import text_string_to_metric_families
 _TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                  5.0, 10.0, 30.0)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# source tokens of one request: one short text up to many texts at the source length limit
+_TOKEN_BUCKETS = (4, 16, 64, 256, 1024, 4096, 16384, 65536)
 
 
 class Metrics:
     """Every metric tfserve exports, registered in one private registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # process-wide in prometheus_client, and read at every scrape: done here, it holds in
+        # every process that serves metrics (each of --workers builds its own Metrics)
+        disable_created_metrics()
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.requests = Counter("tfserve_requests", "Finished RPCs by method and status code",
                                 ["rpc", "code"], registry=r)
         self.request_seconds = Histogram("tfserve_request_duration_seconds",
                                          "RPC wall time, by method", ["rpc"],
                                          buckets=_TIME_BUCKETS, registry=r)
+        self.time_to_first_token = Histogram(
+            "tfserve_time_to_first_token_seconds",
+            "From a call's arrival to its first generated token (unary: the step that decided "
+            "it; streams: the first tokens handed to the stream), by method", ["rpc"],
+            buckets=_TIME_BUCKETS, registry=r)
+        self.input_tokens = Counter("tfserve_input_tokens",
+                                    "Source tokens of the requests the scheduler accepted, by "
+                                    "method", ["rpc"], registry=r)
+        self.request_input_tokens = Histogram("tfserve_request_input_tokens",
+                                              "Source tokens per accepted request, by method",
+                                              ["rpc"], buckets=_TOKEN_BUCKETS, registry=r)
         self.queue_seconds = Histogram("tfserve_queue_seconds",
                                        "Time an input waited before the model took it up",
                                        buckets=_TIME_BUCKETS, registry=r)

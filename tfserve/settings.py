@@ -122,6 +122,9 @@ SERVER_SETTINGS: tuple[Setting, ...] = (
     Setting("max_connection_age_seconds", float, 0.0, "close each client connection after this "
             "long (clients reconnect and spread again over --workers and replicas; calls in "
             "flight get --grace-seconds); 0: never", (0, 86_400)),
+    Setting("otel_endpoint", str, None, "OTLP endpoint to send OpenTelemetry traces to, e.g. "
+            "http://collector:4317 (needs tfserve[otel]; docs/server.md, Tracing)",
+            unset="the standard OTEL_EXPORTER_OTLP_ENDPOINT; tracing is off without either"),
 )
 
 # the help text and range of each server setting, by name: what build_parser and

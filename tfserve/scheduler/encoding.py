@@ -77,7 +77,7 @@ class EncoderRuns:
                 return [group for item in chunk for group in self._encode_chunk([item])]
             self.outcomes.model_failed("encode", exc, {chunk[0].job})
             return []
-        self.outcomes.encoder_ran(len(chunk))
+        self.outcomes.encoder_ran(chunk)
         searches = []
         for item in chunk:
             assert item.job.options is not None
@@ -98,7 +98,7 @@ class EncoderRuns:
             else:
                 self.outcomes.model_failed("embed", exc, {chunk[0].job})
             return
-        self.outcomes.encoder_ran(len(chunk))
+        self.outcomes.encoder_ran(chunk)
         for row, item in enumerate(chunk):
             length = len(item.source)
             job = item.job

@@ -85,6 +85,26 @@ class SchedulerStats:
 
 # -- jobs and items -------------------------------------------------------------------------
 
+
+@dataclass
+class JobTimes:
+    """Moments of a request's life, time.perf_counter() seconds (None until they happen):
+    what the time-to-first-token metric and the call's trace read once it has ended.
+
+    Each is the first time it happens (a request whose inputs are taken in several passes
+    has its first input's), so they come in the order of the fields. The worker stamps them
+    once per request, never per step: they cost nothing measurable whether or not anyone
+    reads them.
+    """
+
+    queued: float  # submitted to the scheduler
+    taken: float | None = None  # its first input left the queue
+    encoded: float | None = None  # its first encoder run ended
+    first_token: float | None = None  # the decoder step that decided its first token ended
+    first_event: float | None = None  # its first tokens went to the stream callback
+    done: float | None = None  # its last result was in (not stamped when it failed)
+
+
 _job_ids = itertools.count()
 
 
@@ -109,7 +129,9 @@ class Job:
         self.future: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
         self.submitted = time.monotonic() if submitted is None else submitted
         self.queue_seconds = 0.0  # longest wait of one of its inputs before the model
+        self.input_tokens = 0  # source tokens of its inputs
         self.generated_tokens = 0
+        self.times = JobTimes(time.perf_counter())
         self.cancel_reason: str | None = None
         self.results: list[Any] = []
         self.remaining = 0  # inputs without a result yet
@@ -202,6 +224,7 @@ class Outcomes:
             self.metrics.generated_tokens.inc(sum(len(h.token_ids) for h in result))
         job.remaining -= 1
         if job.remaining == 0:
+            job.times.done = time.perf_counter()  # before the future: its waiter reads it
             job._resolve()
             if job.kind == "translate":
                 # every input of a job reserves the same rows
@@ -211,6 +234,9 @@ class Outcomes:
         """Hand streamed tokens to the request's callback; a callback that raises cancels
         its request."""
         assert item.job.on_event is not None
+        times = item.job.times
+        if times.first_event is None:
+            times.first_event = time.perf_counter()
         try:
             item.job.on_event(event)
         except Exception:  # a broken consumer must not take the worker down
@@ -233,9 +259,14 @@ class Outcomes:
         for job in jobs:
             job._fail(ModelError(f"model run failed ({stage}): {exc}"))
 
-    def encoder_ran(self, rows: int) -> None:
+    def encoder_ran(self, items: list[WorkItem]) -> None:
+        """An encoder run for these items succeeded."""
         self.stats.encoder_runs += 1
-        self.metrics.encoder_batch_rows.observe(rows)
+        self.metrics.encoder_batch_rows.observe(len(items))
+        now = time.perf_counter()
+        for item in items:
+            if item.job.times.encoded is None:
+                item.job.times.encoded = now
 
     def dropped(self, reason: str, rows: int, skipped_steps: int) -> None:
         """Rows of a request that ended (reason) left the decoder batch, saving steps."""

@@ -69,6 +69,9 @@ class Scheduler:
         # translate items taken and encoded while the idle worker waits for company, not yet
         # joined (Take.mode "ahead")
         self._ahead: list[Joining] = []
+        # the requests that joined the batch since its last step: the next step decides
+        # their first tokens (JobTimes.first_token)
+        self._joined: list[Job] = []
 
     def _now(self) -> float:
         """The policy's and the outcomes' clock: `self.clock` read at each call, so that a
@@ -168,6 +171,7 @@ class Scheduler:
                 raise ValueError(f"texts[{item.index}] is empty")
         job.results = [None] * len(items)
         job.remaining = job.unadmitted = len(items)
+        job.input_tokens = sum(len(item.source) for item in items)
         with self._cond:
             if not self._accepting:
                 raise Unavailable("the server is shutting down")
@@ -210,6 +214,11 @@ class Scheduler:
             with self._cond:
                 take = self.policy.take(self._running())
             translate_items, encode_items = take.translate, take.encode
+            if translate_items or encode_items:
+                taken = time.perf_counter()
+                for item in translate_items + encode_items:
+                    if item.job.times.taken is None:
+                        item.job.times.taken = taken
             for item, reason in take.dropped:
                 self._outcomes.unstarted(item, reason)
             self._iteration(translate_items, encode_items, take.mode)
@@ -289,6 +298,8 @@ class Scheduler:
         except Exception as exc:  # the batch may be half-joined: start over
             self._fail_batch("encode", exc, {item.job for group in groups
                                              for item in group.tags})
+            return
+        self._joined += [item.job for group in groups for item in group.tags]
 
     def _encode_items(self, items: list[WorkItem]) -> list[Joining]:
         """Run the encoder over translate items; returns what joins the decoder batch. A
@@ -356,7 +367,13 @@ class Scheduler:
                     self._outcomes.item_done(member.tag, search.results())
             self._fail_batch("step", exc, {member.tag.job for member in members})
             return
-        elapsed = time.perf_counter() - started
+        ended = time.perf_counter()
+        elapsed = ended - started
+        if self._joined:  # this step decided the first tokens of the requests that joined
+            for job in self._joined:
+                if job.times.first_token is None:
+                    job.times.first_token = ended
+            self._joined = []
         self.policy.record_step(elapsed)
         self.stats.steps += 1
         self.stats.rows_stepped += rows
@@ -405,6 +422,7 @@ class Scheduler:
         jobs = {member.tag.job for member in self._batch.members} | (extra or set())
         self._outcomes.model_failed(stage, exc, jobs)
         self._batch = DecodeBatch(self.backend)
+        self._joined = []
 
     def _shutdown(self) -> None:
         """Under the lock, on stop: fail whatever is left."""

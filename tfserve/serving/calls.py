@@ -1,11 +1,12 @@
 """Per-call bookkeeping, whatever the transport.
 
 `Calls` is the server's side: how many calls are in flight (the drain waits for none), whether
-new ones are still taken, the per-(rpc, status) metrics. `Call` is one of them: its request
-id, its deadline, the job it waits on, and at its end one metrics update and one access-log
-record. The front end supplies what only it knows (the peer, the id sent in metadata or a
-header, the time left before the client's deadline) and answers the status `Call.failed`
-returns in its own way.
+new ones are still taken, the per-(rpc, status) metrics, the tracing (None: off). `Call` is
+one of them: its request id, its deadline, the job it waits on, its span when tracing is on,
+and at its end one metrics update (time to first token, input tokens), one access-log record
+and the span's end. The front end supplies what only it knows (the peer, the id sent in
+metadata or a header, the time left before the client's deadline, the metadata or headers
+that carry the trace context) and answers the status `Call.failed` returns in its own way.
 
 Everything here runs on the event loop's thread; job results arrive from the scheduler's
 worker thread through `call_soon_threadsafe`.
@@ -18,6 +19,7 @@ import concurrent.futures
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from tfserve.metrics import Metrics
@@ -30,6 +32,7 @@ from tfserve.serving.status import (
     Status,
     status_for,
 )
+from tfserve.serving.tracing import SERVICE, CallSpan, Tracing  # opentelemetry only when on
 
 REQUEST_ID_KEY = "x-request-id"  # the metadata key (or HTTP header) that carries the id
 # how a call that its client ended shows up: the handler's task is cancelled, or the
@@ -41,16 +44,21 @@ access_log = logging.getLogger("tfserve.access")
 
 
 class Calls:
-    """The server's calls: in-flight count and idle event, draining flag, RPC metrics."""
+    """The server's calls: in-flight count and idle event, draining flag, RPC metrics, and
+    the tracing of their spans (tfserve.serving.tracing; None: off)."""
 
-    def __init__(self, metrics: Metrics, max_message_bytes: int) -> None:
+    def __init__(self, metrics: Metrics, max_message_bytes: int,
+                 tracing: Tracing | None = None) -> None:
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
+        self.tracing = tracing
         self.draining = False
         self.in_flight = 0
         self.idle = asyncio.Event()  # set while no call is in flight
         self.idle.set()
         self._rpc_metrics: dict[tuple[str, Status], tuple[Any, Any]] = {}
+        self._token_metrics: dict[str, tuple[Any, Any]] = {}
+        self._first_token_metrics: dict[str, Any] = {}
 
     def started(self) -> None:
         self.in_flight += 1
@@ -70,13 +78,42 @@ class Calls:
         if self.in_flight == 0:
             self.idle.set()
 
+    def job_finished(self, rpc: str, job: Job, arrived: float) -> None:
+        """The token metrics of a call's job: its input tokens and, when it decided one, its
+        time to first token from the call's arrival (time.perf_counter() seconds).
+
+        A stream's first token is the first the scheduler handed to its stream (a beam search
+        streams nothing before it ends); a unary call's, the first one decided.
+        """
+        metrics = self._token_metrics.get(rpc)
+        if metrics is None:  # labelled children, looked up once per rpc
+            metrics = self._token_metrics[rpc] = (
+                self.metrics.input_tokens.labels(rpc),
+                self.metrics.request_input_tokens.labels(rpc))
+        metrics[0].inc(job.input_tokens)
+        metrics[1].observe(job.input_tokens)
+        times = job.times
+        first = times.first_event if job.on_event is not None else times.first_token
+        if first is not None:
+            # created at an rpc's first token: Encode shows no empty histogram
+            ttft = self._first_token_metrics.get(rpc)
+            if ttft is None:
+                ttft = self._first_token_metrics[rpc] = (
+                    self.metrics.time_to_first_token.labels(rpc))
+            ttft.observe(first - arrived)
+
 
 class Call:
     """One call: request id, deadline, in-flight count, metrics, access log, error status."""
 
     def __init__(self, calls: Calls, rpc: str, given_id: str = "", peer: str = "",
                  time_remaining: float | None = None,
-                 invalid: InvalidArgument | None = None) -> None:
+                 invalid: InvalidArgument | None = None,
+                 trace_carrier: Mapping[str, str] | None = None,
+                 trace_name: str = "") -> None:
+        """`trace_carrier`: the call's metadata or headers (name -> value), where the trace
+        context the client sent is read when tracing is on (`traceparent`, `tracestate`);
+        `trace_name` names its span (default "tfserve.v1.Translator/<rpc>")."""
         self.calls = calls
         self.rpc = rpc
         self.started = time.perf_counter()
@@ -93,6 +130,11 @@ class Call:
         # None (or, in some grpc versions, a huge value) when the client set no deadline
         self.deadline = (time.monotonic() + time_remaining
                          if time_remaining is not None and time_remaining < 1e8 else None)
+        self.span: CallSpan | None = None  # with tracing on
+        if calls.tracing is not None:
+            self.span = calls.tracing.start(
+                trace_name or f"{SERVICE}/{rpc}", rpc, self.request_id,
+                trace_carrier)
 
     def begin(self) -> None:
         """Count the call in flight; refuse it while draining or when its input is invalid."""
@@ -160,9 +202,14 @@ class Call:
         return status, details
 
     def finish(self, status: Status, details: str = "") -> None:
-        """Count the call as ended with `status` and write its access-log record."""
+        """Count the call as ended with `status`, write its access-log record, end its span."""
         elapsed = time.perf_counter() - self.started
         self.calls.finished(self.rpc, status, elapsed)
+        if self.job is not None:
+            self.calls.job_finished(self.rpc, self.job, self.started)
+        if self.span is not None:
+            span, self.span = self.span, None
+            self._end_span(span, status, details)
         if not access_log.isEnabledFor(logging.INFO):
             return
         record: dict[str, Any] = {
@@ -178,6 +225,14 @@ class Call:
         if details and status != Status.OK:
             record["error"] = details
         access_log.info("request", extra={"fields": record})
+
+    def _end_span(self, span: CallSpan, status: Status, details: str) -> None:
+        """End the call's span; tracing never fails a call."""
+        assert self.calls.tracing is not None
+        try:
+            self.calls.tracing.end(span, self.job, self.texts, status, details)
+        except Exception:
+            log.exception("%s %s: ending its trace span failed", self.rpc, self.request_id)
 
 
 def _settle(waiter: asyncio.Future[Any], done: concurrent.futures.Future[Any]) -> None:

@@ -20,6 +20,7 @@ from tfserve.scheduler import Scheduler
 from tfserve.serving.calls import Calls
 from tfserve.serving.model_info import ModelInfo, model_info
 from tfserve.serving.requests import Submitter
+from tfserve.serving.tracing import start_tracing
 from tfserve.settings import ServerConfig
 
 log = logging.getLogger("tfserve.server")
@@ -56,7 +57,8 @@ class ServingCore:
                              f"the model's limit of {limit} new tokens")
         self.metrics = metrics or Metrics()
         self.scheduler = Scheduler(runtime, config.scheduler_config(), self.metrics)
-        self.calls = Calls(self.metrics, config.max_message_bytes)
+        self.calls = Calls(self.metrics, config.max_message_bytes,
+                           start_tracing(config.otel_endpoint))
         self.submitter = Submitter(runtime, self.config, self.scheduler)
         self.metrics_port = 0
 

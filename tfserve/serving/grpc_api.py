@@ -106,13 +106,14 @@ class GrpcCall(Call):
 
     def __init__(self, core: ServingCore, rpc: str, request: Any,
                  context: grpc.aio.ServicerContext, streaming: bool = False) -> None:
-        given = getattr(request, "request_id", "") or (
-            dict(context.invocation_metadata() or ()).get(REQUEST_ID_KEY) or "")
+        metadata = dict(context.invocation_metadata() or ())
+        given = getattr(request, "request_id", "") or metadata.get(REQUEST_ID_KEY) or ""
         # the peer is read now: once the call has ended (a cancelled stream), grpc's context
         # must not be asked for anything (context.peer() then crashed the process)
         super().__init__(core.calls, rpc, given_id=str(given), peer=context.peer(),
                          time_remaining=context.time_remaining(),
-                         invalid=request.invalid() if isinstance(request, Malformed) else None)
+                         invalid=request.invalid() if isinstance(request, Malformed) else None,
+                         trace_carrier=metadata)
         self.context = context
         self.streaming = streaming
         self.metadata_sent = False
