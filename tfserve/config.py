@@ -15,9 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ACTIVATIONS = ("relu", "gelu", "silu", "swish")
+# "gelu" is the exact (erf) GELU; "gelu_tanh" its tanh approximation (T5 v1.1's "gelu_new")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swish")
 NORMS = ("post", "pre")
-POSITIONS = ("sinusoidal", "rope", "learned")
+# "layernorm": (x - mean) / std * weight + bias; "rmsnorm": x / rms * weight (T5's, no bias)
+NORM_TYPES = ("layernorm", "rmsnorm")
+# "relative": no absolute positions; a learned bias per (distance bucket, head) is added to the
+# self-attention scores (T5), bidirectional in the encoder and causal in the decoder
+POSITIONS = ("sinusoidal", "rope", "learned", "relative")
 # "interleaved" is the paper's PE[pos, 2i] = sin, PE[pos, 2i+1] = cos;
 # "half" is Marian's [sin(all frequencies) | cos(all frequencies)].
 SINUSOIDAL_LAYOUTS = ("interleaved", "half")
@@ -42,15 +47,30 @@ class ModelConfig:
     decoder_layers: int = 6
     ffn_dim: int = 2048
     activation: str = "relu"
+    # gated FFN: act(x W_gate) * (x W_up), then W2 (T5 v1.1 / mT5 / Flan-T5 "gated-gelu")
+    ffn_gated: bool = False
+    ffn_bias: bool = True
     norm: str = "post"
+    norm_type: str = "layernorm"
     positions: str = "sinusoidal"
     sinusoidal_layout: str = "interleaved"
     rope_base: float = 10000.0
+    # positions="relative": distances map to buckets, half of them exact, the others
+    # logarithmic up to max_distance (farther ones share the last bucket)
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    # 0: d_model / num_heads; T5 sets it (d_kv), and num_heads * head dim may differ from d_model
+    attention_head_dim: int = 0
+    # attention scores q.k / sqrt(head dim) when true; T5 does not scale them
+    attention_scale: bool = True
     max_source_positions: int = 512
     max_target_positions: int = 512
     scale_embedding: bool = True
     tie_word_embeddings: bool = True
     final_logits_bias: bool = False
+    # the decoder's final hidden states are multiplied by it before the output projection
+    # (T5 v1.0 with its tied embedding: d_model ** -0.5)
+    output_scale: float = 1.0
     layer_norm_eps: float = 1e-5
     dropout: float = 0.0
     attention_bias: bool = True
@@ -68,7 +88,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+        return self.attention_head_dim or self.d_model // self.num_heads
+
+    @property
+    def inner_dim(self) -> int:
+        """Width of the attention projections' outputs: num_heads * head_dim."""
+        return self.num_heads * self.head_dim
 
     @property
     def embed_scale(self) -> float:
@@ -93,14 +118,21 @@ class ModelConfig:
             "max_target_positions",
         ):
             positive(name)
-        if self.d_model % self.num_heads:
+        value = self.attention_head_dim
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"attention_head_dim must be an integer >= 0 (0: d_model / "
+                              f"num_heads), got {value!r}")
+        if not self.attention_head_dim and self.d_model % self.num_heads:
             raise ConfigError(
-                f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})"
+                f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads}) "
+                "unless attention_head_dim is set"
             )
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.norm not in NORMS:
             raise ConfigError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.norm_type not in NORM_TYPES:
+            raise ConfigError(f"norm_type must be one of {NORM_TYPES}, got {self.norm_type!r}")
         if self.positions not in POSITIONS:
             raise ConfigError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
         if self.sinusoidal_layout not in SINUSOIDAL_LAYOUTS:
@@ -114,16 +146,29 @@ class ModelConfig:
             )
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise ConfigError(f"positions='sinusoidal' needs an even d_model, got {self.d_model}")
+        for name in ("relative_buckets", "relative_max_distance"):
+            positive(name)
+        if self.positions == "relative":
+            # every half of the buckets needs an exact part (half of it) and a log part
+            if self.relative_buckets < 4:
+                raise ConfigError(f"relative_buckets must be >= 4 with positions='relative', "
+                                  f"got {self.relative_buckets}")
+            if self.relative_max_distance <= self.relative_buckets // 2:
+                raise ConfigError(
+                    f"relative_max_distance must be > relative_buckets / 2 = "
+                    f"{self.relative_buckets // 2}, got {self.relative_max_distance}")
         for name in ("scale_embedding", "tie_word_embeddings", "final_logits_bias",
-                     "attention_bias"):
+                     "attention_bias", "attention_scale", "ffn_gated", "ffn_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("rope_base", "layer_norm_eps", "dropout"):
+        for name in ("rope_base", "layer_norm_eps", "dropout", "output_scale"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{name} must be a number, got {value!r}")
         if not self.rope_base > 0:
             raise ConfigError(f"rope_base must be > 0, got {self.rope_base!r}")
+        if not self.output_scale > 0:
+            raise ConfigError(f"output_scale must be > 0, got {self.output_scale!r}")
         if not self.layer_norm_eps > 0:
             raise ConfigError(f"layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
         if not 0.0 <= self.dropout < 1.0:

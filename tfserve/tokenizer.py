@@ -1,13 +1,23 @@
-"""SentencePiece tokenizer with the special-token conventions of Marian-style translators.
+"""Text <-> token ids, in the modes the artifacts name (`TokenizerSpec.kind`).
 
-Two modes, chosen by what the artifacts carry:
-- native: one SentencePiece model (or one per side) whose piece ids are the model's ids;
-- vocab: SentencePiece only splits text into pieces, and a vocab.json maps pieces to the
-  model's ids (Marian: source.spm / target.spm + one shared vocab.json); pieces missing from
-  the vocab become unk.
+- "sentencepiece", the SentencePiece modes with the special-token conventions of
+  Marian-style translators:
+  - native: one SentencePiece model (or one per side) whose piece ids are the model's ids;
+  - vocab: SentencePiece only splits text into pieces, and a vocab.json maps pieces to the
+    model's ids (Marian: source.spm / target.spm + one shared vocab.json); pieces missing
+    from the vocab become unk.
+  Source sequences end with eos (appended here).
+- "hf-json": a Hugging Face `tokenizer.json` run by the `tokenizers` library (what
+  transformers' fast tokenizers run): its normalizer, pre-tokenizer and model split the text,
+  its special tokens (added tokens marked special) are matched in the text as transformers
+  does, and its post-processor adds what the model expects around a source (T5: `</s>`).
+- "t5-spiece": a T5 `spiece.model` without a tokenizer.json, mapped as transformers'
+  T5Tokenizer maps it: the SentencePiece pieces and scores as a Unigram model, `extra_ids`
+  sentinels `<extra_id_N>` on top of the vocabulary (`<extra_id_0>` last), `</s>` appended,
+  no bos; run by `tokenizers` like "hf-json".
 
-Source sequences end with eos. Decoding drops special tokens. Imports numpy and sentencepiece
-only, so it is part of the serving path.
+Decoding drops special tokens. Imports numpy, sentencepiece and (for the last two modes)
+tokenizers only, so it is part of the serving path.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import numpy as np
 import sentencepiece as spm
 
 WORD_BOUNDARY = "\u2581"  # SentencePiece's word-boundary mark '▁', a space in decoded text
+KINDS = ("sentencepiece", "hf-json", "t5-spiece")
 
 
 class TokenizerError(ValueError):
@@ -32,6 +43,8 @@ class TokenizerError(ValueError):
 class TokenizerSpec:
     """How a tokenizer is stored in an artifacts or checkpoint directory (goes in model.json)."""
 
+    # the file of every kind: the source SentencePiece model, the tokenizer.json (hf-json)
+    # or the spiece.model (t5-spiece)
     source: str = "source.spm"
     target: str | None = None  # None: the source model serves both sides
     vocab: str | None = None  # None: native mode, SentencePiece ids are model ids
@@ -40,6 +53,8 @@ class TokenizerSpec:
     unk_token_id: int = 2
     decoder_start_token_id: int = 0
     extra_special_ids: list[int] = field(default_factory=list)
+    kind: str = "sentencepiece"  # one of KINDS
+    extra_ids: int = 0  # t5-spiece: the number of <extra_id_N> sentinels
 
     def files(self) -> list[str]:
         return [f for f in (self.source, self.target, self.vocab) if f]
@@ -53,6 +68,9 @@ class TokenizerSpec:
         unknown = sorted(set(data) - known)
         if unknown:
             raise TokenizerError(f"unknown tokenizer field(s): {', '.join(unknown)}")
+        kind = data.get("kind", "sentencepiece")
+        if kind not in KINDS:
+            raise TokenizerError(f"tokenizer kind must be one of {KINDS}, got {kind!r}")
         return cls(**data)
 
 
@@ -67,6 +85,101 @@ def _load_spm(path: Path) -> spm.SentencePieceProcessor:
     return processor
 
 
+class HFText:
+    """A `tokenizers.Tokenizer`: encoding with its post-processor, decoding without special
+    tokens, as transformers' fast tokenizers run it (`tokenizer(text).input_ids`,
+    `tokenizer.decode(ids, skip_special_tokens=True)`)."""
+
+    def __init__(self, tokenizer: Any, where: Path) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+        if self.vocab_size < 1:
+            raise TokenizerError(f"{where} has an empty vocabulary")
+        # the added tokens marked special (T5: <pad>, </s>, <unk>, the <extra_id_N>)
+        self.special_ids = {int(i) for i, token in tokenizer.get_added_tokens_decoder().items()
+                            if token.special}
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.tokenizer.id_to_token(token_id)
+
+
+def load_hf_json(path: Path) -> Any:
+    """A tokenizer.json as a `tokenizers.Tokenizer`; TokenizerError naming the file."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if not path.is_file():
+        raise TokenizerError(f"tokenizer file not found: {path}")
+    try:
+        return HFTokenizer.from_str(path.read_text(encoding="utf-8"))
+    except Exception as exc:  # OSError, UnicodeDecodeError, tokenizers' own
+        raise TokenizerError(f"cannot load tokenizer file {path}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
+
+
+def t5_from_spiece(path: Path, extra_ids: int) -> Any:
+    """A T5 spiece.model as the `tokenizers.Tokenizer` transformers' T5Tokenizer builds from it
+    (transformers 5: T5Tokenizer.__init__ and the T5 SentencePiece conversion).
+
+    The pieces and their scores as a Unigram model (unk at the model's unk id, no byte
+    fallback), then `extra_ids` sentinels <extra_id_{extra_ids-1}> .. <extra_id_0> at the
+    following ids; the model's precompiled normalizer; whitespace split and '▁' word marks;
+    the model's control pieces (<pad>, </s>), its unk piece, its user-defined pieces and the
+    sentinels matched in the text and dropped from decoded text as special tokens; </s>
+    appended.
+    """
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import Unigram
+
+    if not path.is_file():
+        raise TokenizerError(f"SentencePiece model not found: {path}")
+    if isinstance(extra_ids, bool) or not isinstance(extra_ids, int) or extra_ids < 0:
+        raise TokenizerError(f"tokenizer extra_ids must be an integer >= 0, got {extra_ids!r}")
+    proto = sentencepiece_model_pb2.ModelProto()
+    try:
+        proto.ParseFromString(path.read_bytes())
+    except Exception as exc:  # protobuf's DecodeError, OSError
+        raise TokenizerError(f"cannot load SentencePiece model {path}: {exc}") from exc
+    if not proto.pieces:
+        raise TokenizerError(f"cannot load SentencePiece model {path}: no pieces")
+    if proto.trainer_spec.model_type != 1:  # UNIGRAM
+        raise TokenizerError(f"{path} is not a unigram SentencePiece model (T5's kind)")
+    vocab = [(piece.piece, piece.score) for piece in proto.pieces]
+    sentinels = [f"<extra_id_{i}>" for i in range(extra_ids - 1, -1, -1)]
+    vocab += [(token, 0.0) for token in sentinels]
+    tokenizer = HFTokenizer(Unigram(vocab, unk_id=proto.trainer_spec.unk_id,
+                                    byte_fallback=False))
+    charsmap = proto.normalizer_spec.precompiled_charsmap
+    if charsmap:
+        tokenizer.normalizer = normalizers.Precompiled(charsmap)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.Metaspace(replacement=WORD_BOUNDARY, prepend_scheme="always", split=True),
+    ])
+    tokenizer.decoder = decoders.Metaspace(replacement=WORD_BOUNDARY, prepend_scheme="always",
+                                           split=True)
+    # sentencepiece ModelProto.SentencePiece.Type: transformers lists the control and
+    # user-defined pieces (MADLAD's <2xx>) among T5Tokenizer's special tokens
+    unknown, control, user_defined = 2, 3, 4
+    special = [p.piece for p in proto.pieces if p.type in (unknown, control, user_defined)]
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                  for t in special + sentinels])
+    eos = proto.trainer_spec.eos_piece or "</s>"
+    eos_id = tokenizer.token_to_id(eos)
+    if eos_id is None:
+        raise TokenizerError(f"{path} has no eos piece {eos!r}")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=["$A", eos], pair=["$A", eos, "$B", eos], special_tokens=[(eos, eos_id)])
+    return tokenizer
+
+
 class Tokenizer:
     """Text <-> token ids for one translation direction."""
 
@@ -74,10 +187,38 @@ class Tokenizer:
         directory = Path(directory)
         self.directory = directory
         self.spec = spec
-        self.source_spm = _load_spm(directory / spec.source)
-        self.target_spm = _load_spm(directory / spec.target) if spec.target else self.source_spm
         self.piece_to_id: dict[str, int] | None = None
         self.id_to_piece: dict[int, str] | None = None
+        self.hf: HFText | None = None
+        if spec.kind not in KINDS:
+            raise TokenizerError(f"tokenizer kind must be one of {KINDS}, got {spec.kind!r}")
+        if spec.kind != "sentencepiece":
+            path = directory / spec.source
+            loaded = (load_hf_json(path) if spec.kind == "hf-json"
+                      else t5_from_spiece(path, spec.extra_ids))
+            self.hf = HFText(loaded, path)
+            self.source_spm = self.target_spm = None
+            self.vocab_size = self.hf.vocab_size
+        else:
+            self._load_sentencepiece(directory, spec)
+        self.pad_id = spec.pad_token_id
+        self.eos_id = spec.eos_token_id
+        self.unk_id = spec.unk_token_id
+        self.decoder_start_id = spec.decoder_start_token_id
+        for name in ("pad_token_id", "eos_token_id", "unk_token_id", "decoder_start_token_id"):
+            value = getattr(spec, name)
+            if not 0 <= value < self.vocab_size:
+                raise TokenizerError(
+                    f"tokenizer {name}={value} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        self.special_ids = {self.pad_id, self.eos_id, self.unk_id, self.decoder_start_id,
+                            *spec.extra_special_ids}
+        if self.hf is not None:
+            self.special_ids |= self.hf.special_ids
+
+    def _load_sentencepiece(self, directory: Path, spec: TokenizerSpec) -> None:
+        self.source_spm = _load_spm(directory / spec.source)
+        self.target_spm = _load_spm(directory / spec.target) if spec.target else self.source_spm
         if spec.vocab:
             vocab_path = directory / spec.vocab
             try:
@@ -93,18 +234,6 @@ class Tokenizer:
             self.vocab_size = max(vocab.values()) + 1
         else:
             self.vocab_size = self.source_spm.GetPieceSize()
-        self.pad_id = spec.pad_token_id
-        self.eos_id = spec.eos_token_id
-        self.unk_id = spec.unk_token_id
-        self.decoder_start_id = spec.decoder_start_token_id
-        for name in ("pad_token_id", "eos_token_id", "unk_token_id", "decoder_start_token_id"):
-            value = getattr(spec, name)
-            if not 0 <= value < self.vocab_size:
-                raise TokenizerError(
-                    f"tokenizer {name}={value} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        self.special_ids = {self.pad_id, self.eos_id, self.unk_id, self.decoder_start_id,
-                            *spec.extra_special_ids}
 
     # -- encoding -------------------------------------------------------------------------
 
@@ -123,12 +252,23 @@ class Tokenizer:
                          for p in processor.EncodeAsPieces(text)]
 
     def encode(self, text: str) -> list[int]:
-        """Source ids of one text, ending with eos."""
+        """Source ids of one text, ending with eos (tokenizers modes: what the
+        post-processor adds)."""
+        if self.hf is not None:
+            return self._hf_ids(text)
         return self._ids(self.source_spm, text) + [self.eos_id]
 
     def encode_target(self, text: str) -> list[int]:
         """Target-side ids of one text, ending with eos (training labels, references)."""
+        if self.hf is not None:
+            return self._hf_ids(text)
         return self._ids(self.target_spm, text) + [self.eos_id]
+
+    def _hf_ids(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TokenizerError(f"text must be a string, got {type(text).__name__}")
+        assert self.hf is not None
+        return self.hf.encode(text)
 
     def pad_batch(self, sequences: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
         """Right-pad id lists into input_ids and attention_mask, both int64 [B,S]."""
@@ -170,6 +310,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Target text of ids, special tokens dropped."""
         kept = [int(i) for i in ids if int(i) not in self.special_ids]
+        if self.hf is not None:
+            # ids the model has beyond the tokenizer's vocabulary (T5 pads it to a multiple
+            # of 128) have no text
+            return self.hf.decode([i for i in kept if 0 <= i < self.vocab_size])
         if self.id_to_piece is None:
             kept = [i for i in kept if 0 <= i < self.vocab_size]
             return self.target_spm.DecodeIds(kept).strip()
@@ -182,6 +326,8 @@ class Tokenizer:
         return text.strip()
 
     def id_to_token(self, token_id: int) -> str:
+        if self.hf is not None:
+            return self.hf.id_to_token(token_id) or "<unk>"
         if self.id_to_piece is not None:
             return self.id_to_piece.get(token_id, "<unk>")
         return self.target_spm.IdToPiece(token_id)

@@ -46,6 +46,18 @@ IMPORTERS: dict[str, Importer] = {
         module="export.importers.marian",
         description="MarianMT / opus-mt translation models",
     ),
+    "t5": Importer(
+        model_type="t5",
+        architectures=("T5ForConditionalGeneration",),
+        module="export.importers.t5",
+        description="T5, Flan-T5, MADLAD-400",
+    ),
+    "mt5": Importer(
+        model_type="mt5",
+        architectures=("MT5ForConditionalGeneration",),
+        module="export.importers.t5",
+        description="mT5",
+    ),
 }
 
 

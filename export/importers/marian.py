@@ -28,13 +28,22 @@ beyond plain tensors, and transformers is not needed.
 from __future__ import annotations
 
 import json
-import pickle
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from export.importers.hf_files import (  # noqa: F401  (the file helpers, importable here too)
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX,
+    TORCH_FILE,
+    TORCH_INDEX,
+    load_weights,
+    read_json,
+    read_weights,
+    weight_files,
+)
 from export.sources import Source, SourceError
 from tfserve.config import ConfigError, ModelConfig
 from tfserve.model import Seq2SeqTransformer, sinusoidal_table
@@ -48,10 +57,6 @@ VOCAB_FILE = "vocab.json"
 TARGET_VOCAB_FILE = "target_vocab.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-SAFETENSORS_FILE = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-TORCH_FILE = "pytorch_model.bin"
-TORCH_INDEX = "pytorch_model.bin.index.json"
 
 # transformers' MarianConfig defaults, used for fields a config.json leaves out (so the
 # imported model is the one transformers would build from the same file)
@@ -222,7 +227,7 @@ def generation_defaults(directory: Path, config: dict[str, Any]) -> dict[str, An
     merged = {key: config[key] for key in GENERATION_KEYS if key in config}
     path = directory / GENERATION_CONFIG_FILE
     if path.is_file():
-        data = _read_json(path, "generation config")
+        data = read_json(path, "generation config")
         if not isinstance(data, dict):
             raise SourceError(f"{path} must hold a JSON object")
         merged.update({key: data[key] for key in GENERATION_KEYS if key in data})
@@ -230,15 +235,6 @@ def generation_defaults(directory: Path, config: dict[str, Any]) -> dict[str, An
 
 
 # -- tokenizer ------------------------------------------------------------------------------
-
-
-def _read_json(path: Path, what: str) -> Any:
-    if not path.is_file():
-        raise SourceError(f"{what} not found: {path}")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SourceError(f"cannot read {path}: {exc}") from exc
 
 
 def _token_string(value: Any, default: str) -> str:
@@ -255,7 +251,7 @@ def read_tokenizer(directory: Path) -> tuple[dict[str, int], dict[str, Any], dic
             raise SourceError(f"Marian tokenizer file not found: {directory / name}")
     tokenizer_config: dict[str, Any] = {}
     if (directory / TOKENIZER_CONFIG_FILE).is_file():
-        tokenizer_config = _read_json(directory / TOKENIZER_CONFIG_FILE, "tokenizer config")
+        tokenizer_config = read_json(directory / TOKENIZER_CONFIG_FILE, "tokenizer config")
         if not isinstance(tokenizer_config, dict):
             raise SourceError(f"{directory / TOKENIZER_CONFIG_FILE} must hold a JSON object")
     if tokenizer_config.get("separate_vocabs") or (directory / TARGET_VOCAB_FILE).is_file():
@@ -263,7 +259,7 @@ def read_tokenizer(directory: Path) -> tuple[dict[str, int], dict[str, Any], dic
                           f"{TARGET_VOCAB_FILE}) are not supported: tfserve's model has one "
                           "shared vocabulary")
     vocab_path = directory / VOCAB_FILE
-    vocab = _read_json(vocab_path, "Marian vocabulary")
+    vocab = read_json(vocab_path, "Marian vocabulary")
     if (not isinstance(vocab, dict) or not vocab
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                        for v in vocab.values())):
@@ -290,57 +286,6 @@ def tokenizer_spec(cfg: ModelConfig) -> TokenizerSpec:
 
 
 # -- weights --------------------------------------------------------------------------------
-
-
-def weight_files(directory: Path) -> list[Path]:
-    """The weight files, safetensors preferred (as transformers does)."""
-    for single, index in ((SAFETENSORS_FILE, SAFETENSORS_INDEX), (TORCH_FILE, TORCH_INDEX)):
-        if (directory / single).is_file():
-            return [directory / single]
-        if (directory / index).is_file():
-            data = _read_json(directory / index, "weights index")
-            weight_map = data.get("weight_map") if isinstance(data, dict) else None
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise SourceError(f"{directory / index} has no weight_map")
-            shards = sorted(set(weight_map.values()))
-            for shard in shards:
-                if not isinstance(shard, str) or Path(shard).name != shard:
-                    raise SourceError(f"{directory / index} names an invalid shard {shard!r}")
-                if not (directory / shard).is_file():
-                    raise SourceError(f"weights shard not found: {directory / shard} "
-                                      f"(named by {index})")
-            return [directory / shard for shard in shards]
-    others = [name for name in ("tf_model.h5", "flax_model.msgpack")
-              if (directory / name).is_file()]
-    hint = f" (found only {', '.join(others)}: convert to safetensors)" if others else ""
-    raise SourceError(f"no weights found in {directory}: expected {SAFETENSORS_FILE} or "
-                      f"{TORCH_FILE}{hint}")
-
-
-def read_weights(paths: list[Path]) -> dict[str, torch.Tensor]:
-    """Every tensor of the weight files; safetensors, or torch.load(weights_only=True)."""
-    state: dict[str, torch.Tensor] = {}
-    for path in paths:
-        if path.suffix == ".safetensors":
-            from safetensors import SafetensorError
-            from safetensors.torch import load_file
-
-            try:
-                part = load_file(str(path))
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise SourceError(f"cannot read weights file {path}: {exc}") from exc
-        else:
-            try:
-                part = torch.load(path, map_location="cpu", weights_only=True)
-            except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError,
-                    AttributeError, TypeError) as exc:
-                raise SourceError(f"cannot read weights file {path} (weights_only): "
-                                  f"{str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
-            if not isinstance(part, dict) or not all(
-                    isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in part.items()):
-                raise SourceError(f"{path} does not hold a state dict of named tensors")
-        state.update(part)
-    return state
 
 
 def marian_key_map(encoder_layers: int, decoder_layers: int, tied: bool = True) -> dict[str, str]:
@@ -450,21 +395,6 @@ def map_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: dic
             raise SourceError(f"{where}: tensor {hf_name} has dtype {tensor.dtype}, not float")
         mapped[our_name] = tensor.float()
     return mapped
-
-
-def load_weights(model: Seq2SeqTransformer, mapped: dict[str, torch.Tensor], where: str) -> None:
-    expected = model.state_dict()
-    for name, tensor in mapped.items():
-        if name not in expected:  # a key map bug, not a checkpoint problem
-            raise SourceError(f"{where}: internal key map names unknown parameter {name}")
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise SourceError(f"{where}: tensor for {name} has shape {tuple(tensor.shape)}, "
-                              f"config.json needs {tuple(expected[name].shape)}")
-    result = model.load_state_dict(mapped, strict=False)
-    aliases = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    left = [k for k in result.missing_keys if k not in aliases and not k.endswith("tokens.weight")]
-    if left or result.unexpected_keys:
-        raise SourceError(f"{where}: weights left unset: {left[:5]}")
 
 
 # -- the importer ---------------------------------------------------------------------------

@@ -15,18 +15,23 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value), eac
 
 
 def scaled_dot_product(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor, scale: float,
+    position_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(Dh), masked) v.
+    """softmax(q k^T / sqrt(Dh) (+ position bias), masked) v.
 
-    q [B,H,Tq,Dh], k/v [B,H,Tk,Dh], scale = Dh ** -0.5 (a Python float, so it is a constant
-    in the graphs), blocked bool broadcastable to [B,H,Tq,Tk] (True: the
+    q [B,H,Tq,Dh], k/v [B,H,Tk,Dh], scale = Dh ** -0.5 or 1.0 (a Python float, so it is a
+    constant in the graphs), blocked bool broadcastable to [B,H,Tq,Tk] (True: the
     query may not see that key). It is computed once per call of the stack, not per layer, so
     the graphs carry one Where per attention and no per-layer mask arithmetic.
     Masked scores are set to the dtype's minimum rather than -inf: a query whose keys are all
     masked (a padding row) then gets a uniform distribution instead of NaN.
+    position_bias: T5's relative position bias, broadcastable to [B,H,Tq,Tk], added to the
+    scores before the mask.
     """
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B,H,Tq,Tk]
+    if position_bias is not None:
+        scores = scores + position_bias
     scores = scores.masked_fill(blocked, torch.finfo(scores.dtype).min)
     return torch.matmul(scores.softmax(dim=-1), v)  # [B,H,Tq,Dh]
 
@@ -49,7 +54,8 @@ class FusedAttention(torch.autograd.Function):
     tracer runs, the same maths as the unfused path.
 
     q [B,T,D]; k/v either new projections [B,T,D] (self-attention; with past [B,H,P,Dh] they
-    are appended) or cached cross K/V [B,H,S,Dh]; bias [B,1,T,P+T] (or [B,1,T,S]) additive.
+    are appended) or cached cross K/V [B,H,S,Dh]; bias [B,1,T,P+T] (or [B,1,T,S]) additive,
+    or [B,H,T,P+T] with a relative position bias per head (T5).
     Returns the output [B,T,D] and the keys/values attended over [B,H,P+T,Dh].
     """
 
@@ -91,14 +97,19 @@ class MultiHeadAttention(nn.Module):
     ever write to its own Dh slice of the residual stream.
     """
 
-    def __init__(self, d_model: int, num_heads: int, bias: bool) -> None:
+    def __init__(self, d_model: int, num_heads: int, bias: bool, head_dim: int | None = None,
+                 scaled: bool = True) -> None:
+        """head_dim: per head (default d_model / num_heads; T5's d_kv may make num_heads *
+        head_dim differ from d_model). scaled: scores q.k / sqrt(head_dim), else q.k (T5)."""
         super().__init__()
         self.num_heads = num_heads
-        self.head_dim = d_model // num_heads
-        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.head_dim = head_dim or d_model // num_heads
+        inner = num_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5 if scaled else 1.0
+        self.q_proj = nn.Linear(d_model, inner, bias=bias)
+        self.k_proj = nn.Linear(d_model, inner, bias=bias)
+        self.v_proj = nn.Linear(d_model, inner, bias=bias)
+        self.out_proj = nn.Linear(inner, d_model, bias=bias)
 
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of x [B,S,D], each [B,H,S,Dh]."""
@@ -106,12 +117,13 @@ class MultiHeadAttention(nn.Module):
                 split_heads(self.v_proj(x), self.num_heads, self.head_dim))
 
     def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor,
-               rope: Rope | None = None) -> torch.Tensor:
+               rope: Rope | None = None, position_bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """Queries from x [B,T,D] against given keys/values; returns [B,T,D]."""
         q = split_heads(self.q_proj(x), self.num_heads, self.head_dim)  # [B,H,T,Dh]
         if rope is not None:
             q = apply_rope(q, rope)
-        out = scaled_dot_product(q, k, v, blocked, self.head_dim ** -0.5)
+        out = scaled_dot_product(q, k, v, blocked, self.scale, position_bias)
         return self.out_proj(merge_heads(out))
 
     def _rotate_fused(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -150,7 +162,7 @@ class MultiHeadAttention(nn.Module):
             q = self._rotate_fused(q, rope)
         past_k, past_v = past if past is not None else (None, None)
         out, k, v = FusedAttention.apply(q, k, v, bias, past_k, past_v, self.num_heads,
-                                         self.head_dim ** -0.5)
+                                         self.scale)
         if cached is not None and self.q_proj.out_features == self.q_proj.in_features:
             out = out.reshape_as(x)  # [Bc,G*T,D] -> [B,T,D]: one Shape op, no Gathers
         elif cached is not None:

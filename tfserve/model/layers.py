@@ -11,25 +11,74 @@ from tfserve.model.attention import MultiHeadAttention
 from tfserve.model.positions import Rope, apply_rope, sinusoidal_table
 
 
-class FeedForward(nn.Module):
-    """act(x W1 + b1) W2 + b2, applied to every position independently."""
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation: transformers' "gelu_new", T5 v1.1's gated activation."""
+    return F.gelu(x, approximate="tanh")
 
-    def __init__(self, d_model: int, ffn_dim: int, activation: str) -> None:
+
+ACTIVATION_FUNCTIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": gelu_tanh, "silu": F.silu,
+                        "swish": F.silu}
+
+
+class FeedForward(nn.Module):
+    """act(x W1 + b1) W2 + b2, applied to every position independently.
+
+    Gated (T5 v1.1, mT5, Flan-T5): act(x W_gate) * (x W_up), then W2. W_gate and W_up are
+    stacked in fc1 ([2F,D]: the gate's F rows first), so the two run as one GEMM.
+    """
+
+    def __init__(self, d_model: int, ffn_dim: int, activation: str, gated: bool = False,
+                 bias: bool = True) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(d_model, ffn_dim)
-        self.fc2 = nn.Linear(ffn_dim, d_model)
-        self.act = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swish": F.silu}[activation]
+        self.ffn_dim = ffn_dim
+        self.gated = gated
+        self.fc1 = nn.Linear(d_model, 2 * ffn_dim if gated else ffn_dim, bias=bias)
+        self.fc2 = nn.Linear(ffn_dim, d_model, bias=bias)
+        self.act = ACTIVATION_FUNCTIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            # [B,T,2F] -> 2 x [B,T,F]; ffn_dim a Python int: constant split sizes in the graph
+            gate, up = self.fc1(x).split(self.ffn_dim, dim=-1)
+            return self.fc2(self.act(gate) * up)
         return self.fc2(self.act(self.fc1(x)))
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight: T5's layer norm (no mean subtracted, no bias).
+
+    Written as transformers' T5LayerNorm computes it, in float32 for half inputs.
+    """
+
+    def __init__(self, d_model: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # casts only for half inputs: traced, a same-type cast is still a node
+        squared = (x if x.dtype == torch.float32 else x.float()).pow(2)
+        normed = x * torch.rsqrt(squared.mean(-1, keepdim=True) + self.eps)  # [...,D]
+        if normed.dtype != self.weight.dtype:
+            normed = normed.to(self.weight.dtype)
+        return self.weight * normed
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """The config's normalisation over d_model: LayerNorm or RMSNorm (norm_type)."""
+    if cfg.norm_type == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.layer_norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
 
 
 class Residual(nn.Module):
     """Sub-layer with residual connection and LayerNorm, post-norm (paper) or pre-norm."""
 
-    def __init__(self, d_model: int, eps: float, pre_norm: bool, dropout: float) -> None:
+    def __init__(self, d_model: int, eps: float, pre_norm: bool, dropout: float,
+                 norm: nn.Module | None = None) -> None:
+        """norm: the normalisation to use (default a LayerNorm over d_model with eps)."""
         super().__init__()
-        self.norm = nn.LayerNorm(d_model, eps=eps)
+        self.norm = norm if norm is not None else nn.LayerNorm(d_model, eps=eps)
         self.pre_norm = pre_norm
         self.dropout = nn.Dropout(dropout)
 
@@ -58,18 +107,33 @@ def rows_of_groups(rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...
     return tuple(out)
 
 
+def attention(cfg: ModelConfig) -> MultiHeadAttention:
+    return MultiHeadAttention(cfg.d_model, cfg.num_heads, cfg.attention_bias, cfg.head_dim,
+                              cfg.attention_scale)
+
+
+def residual(cfg: ModelConfig) -> Residual:
+    return Residual(cfg.d_model, cfg.layer_norm_eps, cfg.norm == "pre", cfg.dropout,
+                    make_norm(cfg))
+
+
+def feed_forward(cfg: ModelConfig) -> FeedForward:
+    return FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation, cfg.ffn_gated, cfg.ffn_bias)
+
+
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        pre = cfg.norm == "pre"
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.num_heads, cfg.attention_bias)
-        self.self_attn_res = Residual(cfg.d_model, cfg.layer_norm_eps, pre, cfg.dropout)
-        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation)
-        self.ffn_res = Residual(cfg.d_model, cfg.layer_norm_eps, pre, cfg.dropout)
+        self.self_attn = attention(cfg)
+        self.self_attn_res = residual(cfg)
+        self.ffn = feed_forward(cfg)
+        self.ffn_res = residual(cfg)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor,
-                rope: Rope | None) -> torch.Tensor:
-        """mask: bool `blocked` [B,1,1,S], or its additive float bias for the fused path."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, rope: Rope | None,
+                position_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: bool `blocked` [B,1,1,S], or the additive float bias for the fused path
+        (which then holds the position bias too); position_bias [1,H,S,S] (relative
+        positions) for the unfused path."""
         h = self.self_attn_res.normed_input(x)
         if mask.dtype != torch.bool:
             attended = self.self_attn.attend_fused(h, mask, rope=rope)[0]
@@ -77,7 +141,7 @@ class EncoderLayer(nn.Module):
             k, v = self.self_attn.project_kv(h)
             if rope is not None:
                 k = apply_rope(k, rope)
-            attended = self.self_attn.attend(h, k, v, mask, rope)
+            attended = self.self_attn.attend(h, k, v, mask, rope, position_bias)
         x = self.self_attn_res.combine(x, attended)
         return self.ffn_res.combine(x, self.ffn(self.ffn_res.normed_input(x)))
 
@@ -85,13 +149,12 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        pre = cfg.norm == "pre"
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.num_heads, cfg.attention_bias)
-        self.self_attn_res = Residual(cfg.d_model, cfg.layer_norm_eps, pre, cfg.dropout)
-        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.num_heads, cfg.attention_bias)
-        self.cross_attn_res = Residual(cfg.d_model, cfg.layer_norm_eps, pre, cfg.dropout)
-        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation)
-        self.ffn_res = Residual(cfg.d_model, cfg.layer_norm_eps, pre, cfg.dropout)
+        self.self_attn = attention(cfg)
+        self.self_attn_res = residual(cfg)
+        self.cross_attn = attention(cfg)
+        self.cross_attn_res = residual(cfg)
+        self.ffn = feed_forward(cfg)
+        self.ffn_res = residual(cfg)
 
     def forward(
         self,
@@ -101,8 +164,11 @@ class DecoderLayer(nn.Module):
         past: tuple[torch.Tensor, torch.Tensor],
         cross: tuple[torch.Tensor, torch.Tensor],
         rope: Rope | None,
+        position_bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Masks: bool `blocked` ones, or their additive float biases for the fused path."""
+        """Masks: bool `blocked` ones, or their additive float biases for the fused path
+        (the self-attention one then holds the position bias too); position_bias
+        [B,H,T,P+T] (relative positions) for the unfused self-attention."""
         h = self.self_attn_res.normed_input(x)
         if self_blocked.dtype != torch.bool:
             attended, k, v = self.self_attn.attend_fused(h, self_blocked, past, rope)
@@ -115,7 +181,8 @@ class DecoderLayer(nn.Module):
                 k_new = apply_rope(k_new, rope)  # cached keys are stored already rotated
             k = torch.cat((past[0], k_new), dim=2)  # [B,H,P+T,Dh]
             v = torch.cat((past[1], v_new), dim=2)
-            x = self.self_attn_res.combine(x, self.self_attn.attend(h, k, v, self_blocked, rope))
+            x = self.self_attn_res.combine(
+                x, self.self_attn.attend(h, k, v, self_blocked, rope, position_bias))
             h = self.cross_attn_res.normed_input(x)
             cross_k, cross_v, blocked = rows_of_groups(h.shape[0], cross[0], cross[1],
                                                        cross_blocked)

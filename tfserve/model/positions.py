@@ -1,7 +1,9 @@
-"""Positions: sinusoidal tables, rotary embeddings (RoPE) and their fused ONNX form."""
+"""Positions: sinusoidal tables, rotary embeddings (RoPE) and their fused ONNX form, and
+T5's relative position bias."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -132,3 +134,65 @@ class FusedRotary(torch.autograd.Function):
 # Runtime's reshape fusion turns into one Reshape with a constant [0, 0, H, Dh]. unflatten and
 # flatten traced into ~10 shape ops per call, run at every decoder step (a fifth of the
 # optimized decoder graph's nodes).
+
+
+# -- relative position bias (T5) ------------------------------------------------------------
+
+
+def bucket_of_distance(num_buckets: int, max_distance: int) -> torch.Tensor:
+    """bucket[n] for distances n = 0..max_distance [max_distance + 1] (int64), T5's mapping
+    of one direction's distances onto its `num_buckets` buckets.
+
+    The first half of the buckets hold the distances 0..max_exact-1 one each; the others
+    cover max_exact..max_distance logarithmically, and every distance >= max_distance falls
+    in the last bucket, so a lookup at min(n, max_distance) is the mapping for any distance.
+    Evaluated here with transformers' own float32 ops (T5Attention._relative_position_bucket),
+    once: the graphs then look the buckets up instead of computing a log, whose last bit may
+    differ between ONNX Runtime's kernels and PyTorch's and would move a distance that lands
+    on a bucket boundary (16, 32, 64 with the default 32 buckets and 128) into its neighbour.
+    """
+    max_exact = num_buckets // 2
+    n = torch.arange(max_distance + 1)
+    large = max_exact + (torch.log(n.float() / max_exact) / math.log(max_distance / max_exact)
+                         * (num_buckets - max_exact)).to(torch.long)
+    large = torch.clamp(large, max=num_buckets - 1)
+    return torch.where(n < max_exact, n, large)
+
+
+class RelativePositionBias(nn.Module):
+    """T5's relative position bias: a learned scalar per (distance bucket, head), added to the
+    self-attention scores of every layer of one stack (computed once per stack call).
+
+    Bidirectional (encoder): half of the buckets for keys after the query, half for keys at
+    or before it. Causal (decoder): all buckets for keys at or before the query; keys after
+    it get bucket 0, which the look-ahead mask hides anyway.
+    """
+
+    bucket_table: torch.Tensor
+
+    def __init__(self, num_buckets: int, max_distance: int, num_heads: int,
+                 bidirectional: bool) -> None:
+        super().__init__()
+        self.bidirectional = bidirectional
+        self.max_distance = max_distance
+        self.direction_buckets = num_buckets // 2 if bidirectional else num_buckets
+        self.bias = nn.Embedding(num_buckets, num_heads)  # [buckets,H]
+        # derived from the config, so not stored in checkpoints
+        self.register_buffer("bucket_table",
+                             bucket_of_distance(self.direction_buckets, max_distance),
+                             persistent=False)  # [max_distance+1]
+
+    def forward(self, query_positions: torch.Tensor, key_positions: torch.Tensor
+                ) -> torch.Tensor:
+        """query_positions [B,T], key_positions [B,K] (B may be 1) -> bias [B,H,T,K]."""
+        relative = key_positions[:, None, :] - query_positions[:, :, None]  # [B,T,K]
+        if self.bidirectional:
+            offset = (relative > 0).to(torch.long) * self.direction_buckets
+            distance = relative.abs()
+        else:
+            offset = None
+            distance = (-relative).clamp(min=0)
+        bucket = self.bucket_table[distance.clamp(max=self.max_distance)]  # [B,T,K]
+        if offset is not None:
+            bucket = bucket + offset
+        return self.bias(bucket).permute(0, 3, 1, 2)  # [B,T,K,H] -> [B,H,T,K]

@@ -8,8 +8,8 @@ from torch import nn
 from tfserve.config import ModelConfig
 from tfserve.manifest import TOP_CANDIDATES
 from tfserve.model.attention import KVCache, blocked_to_bias
-from tfserve.model.layers import DecoderLayer, Embeddings, EncoderLayer
-from tfserve.model.positions import RotaryEmbedding
+from tfserve.model.layers import DecoderLayer, Embeddings, EncoderLayer, make_norm
+from tfserve.model.positions import RelativePositionBias, RotaryEmbedding
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -26,13 +26,21 @@ class Seq2SeqTransformer(nn.Module):
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         pre = cfg.norm == "pre"
-        # pre-norm stacks leave the residual stream unnormalised, so each ends with a LayerNorm
-        self.encoder_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if pre else None
-        self.decoder_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if pre else None
+        # pre-norm stacks leave the residual stream unnormalised, so each ends with a norm
+        self.encoder_norm = make_norm(cfg) if pre else None
+        self.decoder_norm = make_norm(cfg) if pre else None
         rope = cfg.positions == "rope"
         max_positions = max(cfg.max_source_positions, cfg.max_target_positions)
         self.rope = (RotaryEmbedding(cfg.head_dim, cfg.rope_base, max_positions) if rope
                      else None)
+        # T5: one relative position bias per stack, shared by its layers' self-attention
+        relative = cfg.positions == "relative"
+        self.encoder_positions = RelativePositionBias(
+            cfg.relative_buckets, cfg.relative_max_distance, cfg.num_heads, bidirectional=True
+        ) if relative else None
+        self.decoder_positions = RelativePositionBias(
+            cfg.relative_buckets, cfg.relative_max_distance, cfg.num_heads, bidirectional=False
+        ) if relative else None
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = shared.weight
@@ -86,12 +94,21 @@ class Seq2SeqTransformer(nn.Module):
         position_ids = position_ids.expand_as(input_ids)  # [B,S]
         x = self.encoder_embed(input_ids, position_ids)
         mask = attention_mask[:, None, None, :] == 0  # [B,1,1,S] keys that are padding
+        position_bias = None
+        if self.encoder_positions is not None:
+            # every row's positions are 0..S-1: one bias for all rows
+            position_bias = self.encoder_positions(position_ids[:1], position_ids[:1])  # [1,H,S,S]
         if self.use_fused_attention:
-            # the fused kernel wants the bias at its full [B,1,S,S] shape
-            mask = blocked_to_bias(mask.expand(-1, -1, seq_len, -1), x.dtype)
+            if position_bias is not None:
+                # [1,H,S,S] -> [B,H,S,S], the dtype's minimum where a key is padding
+                mask = position_bias.to(x.dtype).masked_fill(mask, torch.finfo(x.dtype).min)
+                position_bias = None
+            else:
+                # the fused kernel wants the bias at its full [B,1,S,S] shape
+                mask = blocked_to_bias(mask.expand(-1, -1, seq_len, -1), x.dtype)
         rope = self.rope(position_ids) if self.rope is not None else None
         for layer in self.encoder_layers:
-            x = layer(x, mask, rope)
+            x = layer(x, mask, rope, position_bias)
         if self.encoder_norm is not None:
             x = self.encoder_norm(x)
         return x
@@ -144,11 +161,23 @@ class Seq2SeqTransformer(nn.Module):
         # the cross K/V and encoder mask may have one row per group of G consecutive rows
         # (a beam search's rows share their sentence's): Bc = B / G rows
         cross_blocked = encoder_attention_mask[:, None, None, :] == 0  # [Bc,1,1,S]
+        position_bias = None
+        if self.decoder_positions is not None:
+            # a key's position is the number of keys its row filled before it: rows that
+            # joined a running batch have holes (mask 0) in front of their first token
+            key_positions = self_attention_mask.cumsum(dim=1) - 1  # [B,P+T]
+            position_bias = self.decoder_positions(position_ids, key_positions)  # [B,H,T,P+T]
         if self.use_fused_attention:
-            # additive biases at the full shapes the fused kernel takes: [B,1,T,P+T] and,
-            # with a group's queries side by side, [Bc,1,G*T,S]
+            # additive biases at the full shapes the fused kernel takes: [B,1,T,P+T] (with
+            # relative positions [B,H,T,P+T]: the position bias per head, the minimum where
+            # blocked) and, with a group's queries side by side, [Bc,1,G*T,S]
             dtype = self.shared.weight.dtype
-            self_blocked = blocked_to_bias(self_blocked, dtype)  # type: ignore[assignment]
+            if position_bias is not None:
+                self_blocked = position_bias.to(dtype).masked_fill(
+                    self_blocked, torch.finfo(dtype).min)
+                position_bias = None
+            else:
+                self_blocked = blocked_to_bias(self_blocked, dtype)  # type: ignore[assignment]
             group_queries = input_ids.shape[0] * new_len // encoder_attention_mask.shape[0]
             cross_blocked = blocked_to_bias(
                 cross_blocked.expand(-1, -1, group_queries, -1), dtype)
@@ -157,10 +186,13 @@ class Seq2SeqTransformer(nn.Module):
         rope = self.rope(position_ids) if self.rope is not None else None
         present: KVCache = []
         for layer, layer_past, layer_cross in zip(self.decoder_layers, past, cross):
-            x, kv = layer(x, self_blocked, cross_blocked, layer_past, layer_cross, rope)
+            x, kv = layer(x, self_blocked, cross_blocked, layer_past, layer_cross, rope,
+                          position_bias)
             present.append(kv)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
+        if self.config.output_scale != 1.0:
+            x = x * self.config.output_scale  # T5 v1.0's tied output projection: d_model^-0.5
         logits = self.lm_head(x)  # [B,T,V]
         if self.final_logits_bias is not None:
             logits = logits + self.final_logits_bias

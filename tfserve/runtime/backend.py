@@ -103,8 +103,9 @@ class Runtime:
         float type (past_key_0 [B,H,P,Dh]), the vocabulary (logits [B,T,V]). From the files:
         the position tables (RotaryEmbedding cos/sin caches, sinusoidal or learned tables)
         bound max_source_positions and max_target_positions; graphs that compute positions
-        (fp16 RoPE) have no bound. Then one decoder step at the last target position runs,
-        which proves that the graphs run together and, on CPU, that the position is taken.
+        (fp16 RoPE) or have relative ones (T5's bias per distance bucket) have no bound.
+        Then one decoder step at the last target position runs, which proves that the graphs
+        run together and, on CPU, that the position is taken.
         """
         where = self.directory / MANIFEST_FILE
         cfg = self.config
@@ -138,9 +139,11 @@ class Runtime:
             raise ValueError(f"{where}: model.num_heads is {cfg.num_heads}, but "
                              f"{files['decoder']}'s past_key_0 has {heads} heads")
         if isinstance(head_dim, int) and head_dim != cfg.head_dim:
-            raise ValueError(f"{where}: model.d_model {cfg.d_model} / num_heads "
-                             f"{cfg.num_heads} is a head dim of {cfg.head_dim}, but "
-                             f"{files['decoder']}'s past_key_0 has {head_dim}")
+            source = (f"model.attention_head_dim is {cfg.head_dim}" if cfg.attention_head_dim
+                      else f"model.d_model {cfg.d_model} / num_heads {cfg.num_heads} is a "
+                           f"head dim of {cfg.head_dim}")
+            raise ValueError(f"{where}: {source}, but {files['decoder']}'s past_key_0 has "
+                             f"{head_dim}")
         float_type = "tensor(float16)" if self.manifest.dtype == "fp16" else "tensor(float)"
         if past.type != float_type:
             raise ValueError(f"{where}: dtype is {self.manifest.dtype}, but "
@@ -157,7 +160,8 @@ class Runtime:
         for graph, facts, field_name, limit in (
                 ("encoder", encoder_facts, "max_source_positions", cfg.max_source_positions),
                 ("decoder", decoder_facts, "max_target_positions", cfg.max_target_positions)):
-            tables = facts.position_tables()
+            # relative positions (T5) read a table of buckets, not of positions: any length
+            tables = facts.position_tables() if cfg.positions != "relative" else []
             if not tables:
                 continue
             table, rows = min(tables, key=lambda item: item[1])
