@@ -72,9 +72,10 @@ def free_port() -> int:
 
 
 def server_args(model: Path, *extra: str) -> list[str]:
-    """Flags for a test server: loopback, ephemeral port, no metrics port, one ORT thread."""
+    """Flags for a test server: loopback, ephemeral port, no metrics or HTTP port, one ORT
+    thread (a later --http-port wins)."""
     return ["--model", str(model), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-            "--threads", "1", "--log-level", "warning", *extra]
+            "--http-port", "0", "--threads", "1", "--log-level", "warning", *extra]
 
 
 class ServerThread:
@@ -86,7 +87,7 @@ class ServerThread:
     """
 
     def __init__(self, argv: Sequence[str], runtime: Any | None = None) -> None:
-        from tfserve.serving.grpc_server import TranslatorServer
+        from tfserve.serving.frontends import TranslatorServer
         from tfserve.settings import parse_config
 
         self.config = parse_config(list(argv), environ={})
@@ -102,6 +103,11 @@ class ServerThread:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.server.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The HTTP API's base URL (with --http-port)."""
+        return f"http://127.0.0.1:{self.server.http_port}"
 
     def _run(self) -> None:
         async def main() -> None:
@@ -344,6 +350,7 @@ class ServerProcess:
         self.lines: list[str] = []
         self._changed = threading.Condition()  # notified on every line read
         self.port = 0
+        self.http_port = 0  # from the 'serving' record, with --http-port
         self.serving = 0  # 'serving' records so far: one per worker with --workers
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -359,6 +366,7 @@ class ServerProcess:
                 self.lines.append(line)
                 if record.get("event") == "serving":
                     self.port = int(record["port"])
+                    self.http_port = int(record.get("http_port", 0))
                     self.serving += 1
                 self._changed.notify_all()
         with self._changed:

@@ -168,6 +168,7 @@ def test_string_for_boolean_field_is_refused() -> None:
 BOUNDS = [
     ("--port", 0, 65535),
     ("--metrics-port", 0, 65535),
+    ("--http-port", 0, 65535),
     ("--threads", 0, 1024),
     ("--workers", 1, 256),
     ("--max-batch-size", 1, 4096),

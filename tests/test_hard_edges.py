@@ -460,7 +460,8 @@ def test_metrics_bind_their_own_host_and_answer_only_on_metrics(model: Path) -> 
 
     port = free_port()
     args = ["--model", str(model), "--host", "0.0.0.0", "--port", "0", "--metrics-host",
-            "127.0.0.1", "--metrics-port", str(port), "--threads", "1", "--log-level", "warning"]
+            "127.0.0.1", "--metrics-port", str(port), "--http-port", "0", "--threads", "1",
+            "--log-level", "warning"]
     with ServerThread(args) as running:
         assert running.server.metrics._http.server_address[0] == "127.0.0.1"
         url = f"http://127.0.0.1:{running.server.metrics_port}"

@@ -336,6 +336,10 @@ def test_wheel_ships_the_stubs_and_needs_no_build_tools(built: Built, work: Path
         wheel.extractall(work / "wheel")
     assert {f"{STUB_DIR}/{name}" for name in STUBS} <= names
     assert "tfserve/proto/tfserve/SOURCE_SHA256" in names
+    # the HTTP front end's page (GET /), with whatever else its directory holds
+    static = ROOT / "tfserve" / "serving" / "static"
+    assert {f"tfserve/serving/static/{path.name}" for path in static.glob("*")
+            if path.is_file()} <= names
     # nothing at the top level but tfserve's own packages (no `proto/` of its own)
     tops = {name.split("/")[0] for name in names}
     assert {top for top in tops if not top.endswith(".dist-info")} == {"tfserve", "export"}
@@ -413,7 +417,7 @@ def test_installed_wheel_cli_without_the_demo(venv: Venv) -> None:
 
 def test_installed_wheel_serves_the_demo(venv: Venv, served_model: Path) -> None:
     proc = venv.popen("-m", "tfserve", "serve", "--model", served_model, "--host", "127.0.0.1",
-                      "--port", "0", "--metrics-port", "0", "--threads", "1",
+                      "--port", "0", "--metrics-port", "0", "--http-port", "0", "--threads", "1",
                       "--log-format", "json", "--log-level", "info")
     log = LogReader(proc)
     target = f"127.0.0.1:{log.wait_for('serving')['port']}"

@@ -1,9 +1,11 @@
-"""The server's entry point: `python -m tfserve serve --model DIR --port 50051`
-(docs/server.md).
+"""The server's entry point: `python -m tfserve serve --model DIR --port 50051 --http-port
+8080` (docs/server.md).
 
 Layers, each importing only the ones below it:
 
+    tfserve.serving.frontends               (one process: the core, gRPC and HTTP)
     tfserve.serving.grpc_server / grpc_api  (gRPC: protobuf in/out, TLS, auth, health)
+    tfserve.serving.http_server / http_api  (HTTP/JSON and server-sent events, probes)
     -> tfserve.serving                      (checks, calls, statuses, streams, lifecycle)
     -> tfserve.scheduler                    (queue, dynamic + continuous batching, worker)
     -> tfserve.runtime                      (the ONNX Runtime graphs)
@@ -26,7 +28,7 @@ from tfserve.argparsing import EXIT_USAGE
 from tfserve.logs import setup_logging
 from tfserve.process import event_loop_runner, keep_freed_memory
 from tfserve.serving.core import load_runtime
-from tfserve.serving.grpc_server import TranslatorServer
+from tfserve.serving.frontends import TranslatorServer
 from tfserve.settings import ServerConfig, parse_config
 
 log = logging.getLogger("tfserve.server")

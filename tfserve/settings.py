@@ -86,21 +86,24 @@ SERVER_SETTINGS: tuple[Setting, ...] = (
     Setting("port", int, 50051, "gRPC port (0: pick a free one, logged at startup)", (0, 65535)),
     Setting("metrics_port", int, 9090, "Prometheus /metrics HTTP port (0 disables)",
             (0, 65535)),
+    Setting("http_port", int, 8080, "HTTP/JSON API port: /v1/translate, /v1/translate:stream "
+            "(server-sent events), /v1/encode, /v1/model, health probes, /metrics, the "
+            "playground page (0 disables; docs/server.md, HTTP API)", (0, 65535)),
     _DEVICE,
     _THREADS,
-    Setting("workers", int, 1, "server processes sharing --port, each with its own model copy, "
-            "batch and interpreter lock; the kernel spreads client connections over them; "
-            "--metrics-port serves all their metrics (label worker), worker i its own on "
-            "--metrics-port + 1 + i (Linux; see docs/server.md)", (1, 256)),
+    Setting("workers", int, 1, "server processes sharing --port and --http-port, each with its "
+            "own model copy, batch and interpreter lock; the kernel spreads client connections "
+            "over them; --metrics-port serves all their metrics (label worker), worker i its "
+            "own on --metrics-port + 1 + i (Linux; see docs/server.md)", (1, 256)),
     *declared_in(SchedulerConfig, "max_batch_size", "max_batch_tokens", "max_wait_ms",
                  "wave_wait_steps", "encode_ahead"),
-    Setting("event_loop", str, "auto", "the event loop the gRPC server runs on: uvloop, "
-            "asyncio, or auto (uvloop when installed)"),
+    Setting("event_loop", str, "auto", "the event loop the server (gRPC and HTTP) runs on: "
+            "uvloop, asyncio, or auto (uvloop when installed)"),
     *declared_in(SchedulerConfig, "max_queue"),
     Setting("max_texts_per_request", int, DEFAULT_MAX_TEXTS, "inputs per request", (1, 100_000)),
     # grpc takes a signed 32-bit length
-    Setting("max_message_bytes", int, 16 * 1024 * 1024, "largest gRPC message received or sent",
-            (1024, 2**31 - 1)),
+    Setting("max_message_bytes", int, 16 * 1024 * 1024, "largest message received or sent "
+            "(gRPC messages, HTTP request bodies and answers)", (1024, 2**31 - 1)),
     Setting("grace_seconds", float, 30.0,
             "on SIGTERM, how long requests in flight may take to finish", (0, 3600)),
     Setting("default_max_new_tokens", int, 0, "max_new_tokens when a request leaves it 0 (0: "
@@ -111,8 +114,9 @@ SERVER_SETTINGS: tuple[Setting, ...] = (
     Setting("tls_key", Path, None, "PEM private key for --tls-cert"),
     Setting("tls_client_ca", Path, None, "PEM CA bundle: require and verify client "
             "certificates signed by it (mutual TLS; needs --tls-cert and --tls-key)"),
-    Setting("auth_token", str, None, "require `authorization: Bearer TOKEN` metadata (health "
-            "is exempt); prefer the env var to keep it out of `ps`", secret=True),
+    Setting("auth_token", str, None, "require `authorization: Bearer TOKEN` (gRPC metadata, HTTP "
+            "header; health and the playground page are exempt); prefer the env var to keep it "
+            "out of `ps`", secret=True),
     Setting("metrics_host", str, "", "address the metrics endpoint listens on (empty: --host), "
             "e.g. 127.0.0.1 to keep metrics private while gRPC listens outside"),
     Setting("max_concurrent_streams", int, 100, "concurrent calls per client connection "
@@ -178,6 +182,13 @@ class ServerConfig:
             raise ValueError(f"--metrics-port {self.metrics_port} with --workers {self.workers}: "
                              f"worker i serves metrics on metrics_port + 1 + i, which must be "
                              f"<= 65535")
+        ports = [(flag, getattr(self, name)) for flag, name in (
+            ("--port", "port"), ("--http-port", "http_port"), ("--metrics-port", "metrics_port"))]
+        for index, (flag, port) in enumerate(ports):
+            for other, same in ports[index + 1:]:
+                if port and port == same:
+                    raise ValueError(f"{flag} and {other} are both {port}: each needs a port "
+                                     "of its own")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key must be given together")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -224,8 +235,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     environ = os.environ if environ is None else environ
     parser = OneLineParser(prog=f"{program_name()} serve",
                            description="Serve an exported model over gRPC (tfserve.v1.Translator, "
-                           "health, reflection) with Prometheus metrics. Every flag can also be "
-                           "set with the env var shown; the flag wins.")
+                           "health, reflection) and HTTP/JSON, with Prometheus metrics. Every flag "
+                           "can also be set with the env var shown; the flag wins.")
     add_version(parser, __version__)
     for setting in SERVER_SETTINGS:
         name, default, kind = setting.name, setting.default, setting.argument_type

@@ -3,14 +3,15 @@
 Why: one server process runs its event loop (gRPC in Python) and its decoding loop under one
 interpreter lock, so on a small model it stops scaling long before the cores are busy
 (docs/benchmarks.md: the demo at 32 clients used 1.3 of 2 cores). N workers are N complete
-servers (model copy, scheduler, batch, gRPC, health, metrics), so N locks.
+servers (model copy, scheduler, batch, gRPC, HTTP, health, metrics), so N locks.
 
 How:
 - The parent checks that the port is free (or picks one for `--port 0`) and keeps it reserved
   for as long as it runs: a socket bound with SO_REUSEPORT that never listens, so no other
-  program can take the port, and the kernel hands connections only to listening sockets.
+  program can take the port, and the kernel hands connections only to listening sockets. The
+  same for `--http-port` (unless it is 0: HTTP off).
 - It starts the workers (spawned processes, each in a session of its own), which bind the
-  same port with SO_REUSEPORT; the kernel spreads incoming *connections* over them. A client
+  same ports with SO_REUSEPORT; the kernel spreads incoming *connections* over them. A client
   that sends everything over one channel is served by one worker: spread load over several
   channels, or put a connection-balancing proxy in front (docs/server.md).
 - The parent serves every worker's Prometheus metrics on `--metrics-port`, each sample
@@ -56,10 +57,10 @@ RESTART_WINDOW_S = 60.0  # ... within this many seconds; then the set stops
 _PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
+def reserve_port(host: str, port: int, flag: str = "--port") -> socket.socket:
     """A socket bound to (host, port) with SO_REUSEPORT, not listening: the workers' port.
 
-    Raises OSError naming --port when anything holds the port (including another tfserve's
+    Raises OSError naming `flag` when anything holds the port (including another tfserve's
     workers, which would share it silently if we only bound with SO_REUSEPORT).
     """
     if not sys.platform.startswith("linux"):  # elsewhere SO_REUSEPORT does not balance
@@ -72,7 +73,7 @@ def reserve_port(host: str, port: int) -> socket.socket:
         probe.bind(address)
         address = probe.getsockname()  # the port picked for --port 0
     except OSError as exc:
-        raise OSError(f"--port {port}: cannot bind {host}:{port}: {exc.strerror}") from None
+        raise OSError(f"{flag} {port}: cannot bind {host}:{port}: {exc.strerror}") from None
     finally:
         probe.close()
     reservation = socket.socket(family, kind, proto)
@@ -81,7 +82,7 @@ def reserve_port(host: str, port: int) -> socket.socket:
         reservation.bind(address)
     except OSError as exc:
         reservation.close()
-        raise OSError(f"--port {address[1]}: taken while starting: {exc.strerror}") from None
+        raise OSError(f"{flag} {address[1]}: taken while starting: {exc.strerror}") from None
     return reservation
 
 
@@ -199,12 +200,17 @@ def run_workers(config: ServerConfig) -> int:
         except (ValueError, RuntimeError, OSError) as exc:
             log.error("cannot serve: %s", exc)
             return EXIT_USAGE
+    reservations: list[socket.socket] = []
     try:
-        reservation = reserve_port(config.host, config.port)
+        reservations.append(reserve_port(config.host, config.port))
+        if config.http_port:
+            reservations.append(reserve_port(config.host, config.http_port, "--http-port"))
     except OSError as exc:
+        for reservation in reservations:
+            reservation.close()
         log.error("cannot serve: %s", exc)
         return EXIT_USAGE
-    port = reservation.getsockname()[1]
+    port = reservations[0].getsockname()[1]
     workers = _Workers(worker_configs(config, port))
     metrics = None
     if config.metrics_port:
@@ -214,7 +220,8 @@ def run_workers(config: ServerConfig) -> int:
                  for c in workers.configs],
                 config.metrics_port, config.metrics_bind_host())
         except OSError as exc:
-            reservation.close()
+            for reservation in reservations:
+                reservation.close()
             log.error("cannot serve: %s", exc)
             return EXIT_USAGE
     previous = {sig: signal.signal(sig, workers.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -223,6 +230,7 @@ def run_workers(config: ServerConfig) -> int:
             workers.start(index)
         log.info("workers", extra={"fields": {
             "event": "workers", "workers": config.workers, "port": port,
+            "http_port": config.http_port,
             "pids": [p.pid for p in workers.processes.values()],
             "threads": workers.configs[0].threads,
             "metrics_port": config.metrics_port,
@@ -234,4 +242,5 @@ def run_workers(config: ServerConfig) -> int:
         if metrics is not None:
             metrics.shutdown()
             metrics.server_close()
-        reservation.close()
+        for reservation in reservations:
+            reservation.close()

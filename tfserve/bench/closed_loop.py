@@ -44,6 +44,7 @@ class LevelResult:
     server_cpu_ms_per_request: float | None = None  # with --server-pid
     requests_per_s: float = float("nan")
     extra: dict[str, Any] = field(default_factory=dict)
+    transport: str = "grpc"  # or "http": the HTTP API (tfserve.bench.http_loop)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class _Plan:
     seed: int
     rpc: str = "translate"  # or "health": Health.Check, the floor of any call
     connections: int = 1  # TCP connections of this process; its clients take turns over them
+    transport: str = "grpc"  # or "http": target is the HTTP API's HOST:PORT
 
 
 def _client_process(plan: _Plan, ready: Any, start: Any, results: Any) -> None:
@@ -140,14 +142,22 @@ def run_level(target: str, concurrency: int, requests: int, duration: float,
               texts: Sequence[str], texts_per_request: int, options: dict[str, Any],
               token: str | None = None, timeout: float = 60.0, processes: int = 0,
               server_pid: int | None = None, rpc: str = "translate",
-              connections: int = 0) -> LevelResult:
+              connections: int = 0, transport: str = "grpc") -> LevelResult:
     """One closed-loop run with `concurrency` clients spread over `processes` processes.
 
     processes 0: one per core, at most one per client. Several processes keep the load
     generator's own Python (one interpreter lock per process) from capping the load.
     connections: TCP connections in all, spread over the processes (0: one per process); a
     server with --workers balances connections, not calls, so give it several.
+    transport "http": the same clients and requests over the HTTP API (target: its
+    HOST:PORT), one connection per client (HTTP/1.1 carries one call at a time).
     """
+    if transport == "http":
+        from tfserve.bench.http_loop import http_client_process
+
+        process_main: Any = http_client_process
+    else:
+        process_main = _client_process
     processes = max(1, min(concurrency, processes or (os.cpu_count() or 1)))
     context = multiprocessing.get_context("spawn")  # no fork after gRPC has started threads
     remaining = context.Value("q", requests)
@@ -158,8 +168,8 @@ def run_level(target: str, concurrency: int, requests: int, duration: float,
         links = max(1, connections // processes + (1 if index < connections % processes else 0))
         plan = _Plan(target, clients, remaining, duration, list(texts), texts_per_request,
                      options, token, timeout, seed=concurrency * 1000 + index, rpc=rpc,
-                     connections=min(links, clients))
-        worker = context.Process(target=_client_process, args=(plan, ready, start, results),
+                     connections=min(links, clients), transport=transport)
+        worker = context.Process(target=process_main, args=(plan, ready, start, results),
                                  daemon=True)
         worker.start()
         workers.append(worker)
@@ -195,5 +205,5 @@ def run_level(target: str, concurrency: int, requests: int, duration: float,
         p50_ms=percentile_ms(latencies, 50), p99_ms=percentile_ms(latencies, 99),
         error_codes=errors, processes=processes,
         client_cpu_ms_per_request=round(cpu / max(done, 1) * 1000.0, 3),
-        server_cpu_ms_per_request=server_cpu)
+        server_cpu_ms_per_request=server_cpu, transport=transport)
 

@@ -3,6 +3,7 @@
     python -m tfserve.bench.loadgen --server localhost:50051
     python -m tfserve.bench.loadgen --server localhost:50051 --concurrency 1,8,32,64 \
         --requests 400 --duration 20 --max-new-tokens 32 --json
+    python -m tfserve.bench.loadgen --server localhost:50051 --http localhost:8080
 
 For each concurrency level, that many closed-loop clients (each sends its next request when
 the previous answer arrives) run in --processes worker processes (blocking gRPC stubs, one
@@ -28,6 +29,12 @@ With --rpc health, the clients send grpc.health.v1 Health.Check instead of Trans
 cheapest call the server answers, through the same gRPC stack, event loop and interceptors.
 Its latency and CPU time per request are the floor under any Translate figure on the same
 machine (what the transport, both Pythons and the cores' sharing cost with no model at all).
+
+With --http HOST:PORT (the server's --http-port), every level also runs over the HTTP API
+(POST /v1/translate, or GET /healthz for --rpc health) with aiohttp clients: the same client
+count, texts, options and seeds, one connection per client (HTTP/1.1 carries one call at a
+time); the two transports' rows come side by side. --transports picks them (default: grpc,
+and http when --http is given).
 
 Only loopback targets are accepted unless --allow-remote: this is a benchmark, not a way to
 load someone else's server.
@@ -99,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
+    parser.add_argument("--http", default=None, metavar="HOST:PORT",
+                        help="the server's HTTP API (--http-port): measure it too")
+    parser.add_argument("--transports", default=None,
+                        help="comma-separated: grpc, http (default: grpc, plus http with "
+                             "--http)")
     parser.add_argument("--concurrency", default="1,8,32,64",
                         help="comma-separated client counts, one run each")
     parser.add_argument("--requests", type=int, default=200, help="requests per level (max)")
@@ -205,10 +217,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("loadgen: error: --rpc health measures the floor only; it takes no --offline "
               "or --rounds", file=sys.stderr)
         return 2
-    if not args.allow_remote and not is_loopback(args.server):
-        print(f"loadgen: error: {args.server} is not a loopback address (--allow-remote)",
+    transports = [t.strip() for t in (args.transports or (
+        "grpc,http" if args.http else "grpc")).split(",") if t.strip()]
+    if not transports or set(transports) - {"grpc", "http"} or len(set(transports)) < len(
+            transports):
+        print(f"loadgen: error: --transports takes grpc and/or http, got {args.transports!r}",
               file=sys.stderr)
         return 2
+    if "http" in transports and not args.http:
+        print("loadgen: error: the http transport needs --http HOST:PORT (the server's "
+              "--http-port)", file=sys.stderr)
+        return 2
+    targets = {"grpc": args.server, "http": args.http}
+    for transport in transports:
+        if not args.allow_remote and not is_loopback(targets[transport]):
+            print(f"loadgen: error: {targets[transport]} is not a loopback address "
+                  "(--allow-remote)", file=sys.stderr)
+            return 2
     if args.texts_file is not None:
         texts = [line.strip() for line in args.texts_file.read_text().splitlines()
                  if line.strip()]
@@ -223,42 +248,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         translator = offline_translator(args.offline, args.threads)
         offline = offline_figures(translator, texts, options)
 
-    def level(concurrency: int, requests: int) -> LevelResult:
-        return run_level(args.server, concurrency, requests, args.duration, texts,
+    def level(concurrency: int, requests: int, transport: str = transports[0]) -> LevelResult:
+        return run_level(targets[transport], concurrency, requests, args.duration, texts,
                          args.texts_per_request, options, args.token, args.timeout,
-                         args.processes, args.server_pid, args.rpc, args.connections)
+                         args.processes, args.server_pid, args.rpc, args.connections,
+                         transport)
 
     if args.warmup:
-        level(1, args.warmup)
-    results = [level(concurrency, args.requests) for concurrency in levels]
+        for transport in transports:
+            level(1, args.warmup, transport)
+    # the transports of one level side by side, level after level
+    results = [level(concurrency, args.requests, transport)
+               for concurrency in levels for transport in transports]
     if args.json:
         for result in results:
             print(json.dumps(asdict(result)))
     else:
         server_column = args.server_pid is not None
-        print(f"{'clients':>7} {'requests':>8} {'errors':>6} {'req/s':>8} {'texts/s':>9} "
-              f"{'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'client CPU ms/req':>17}"
+        print(f"{'transport':>9} {'clients':>7} {'requests':>8} {'errors':>6} {'req/s':>8} "
+              f"{'texts/s':>9} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
+              f"{'client CPU ms/req':>17}"
               + (f" {'server CPU ms/req':>17}" if server_column else ""))
         for r in results:
-            print(f"{r.concurrency:>7} {r.requests:>8} {r.errors:>6} {r.requests_per_s:>8.1f} "
-                  f"{r.texts_per_s:>9.1f} {r.tokens_per_s:>9.1f} {r.p50_ms:>8.1f} {r.p99_ms:>8.1f} "
-                  f"{r.client_cpu_ms_per_request:>17.2f}"
+            print(f"{r.transport:>9} {r.concurrency:>7} {r.requests:>8} {r.errors:>6} "
+                  f"{r.requests_per_s:>8.1f} {r.texts_per_s:>9.1f} {r.tokens_per_s:>9.1f} "
+                  f"{r.p50_ms:>8.1f} {r.p99_ms:>8.1f} {r.client_cpu_ms_per_request:>17.2f}"
                   + (f" {r.server_cpu_ms_per_request or float('nan'):>17.2f}"
                      if server_column else ""))
         for r in results:
             if r.error_codes:
-                print(f"errors at {r.concurrency} clients: {r.error_codes}")
+                print(f"errors at {r.concurrency} clients ({r.transport}): {r.error_codes}")
     if offline is not None:
-        by_level = {r.concurrency: r for r in results}
         ratios: dict[str, Any] = {"offline": offline}
-        if 32 in by_level:
-            ratios["throughput_32_clients_vs_offline_batch32"] = round(
-                by_level[32].tokens_per_s / offline["batch32_tokens_per_s"], 3)
-            ratios["throughput_32_clients_vs_offline_calls_of_32"] = round(
-                by_level[32].tokens_per_s / offline["calls32_tokens_per_s"], 3)
-        if 1 in by_level:
-            ratios["p50_1_client_vs_offline_single"] = round(
-                by_level[1].p50_ms / offline["single_p50_ms"], 3)
+        for transport in transports:
+            # the first transport's keys carry no prefix, the others' their name
+            prefix = "" if transport == transports[0] else f"{transport}_"
+            by_level = {r.concurrency: r for r in results if r.transport == transport}
+            if 32 in by_level:
+                ratios[f"{prefix}throughput_32_clients_vs_offline_batch32"] = round(
+                    by_level[32].tokens_per_s / offline["batch32_tokens_per_s"], 3)
+                ratios[f"{prefix}throughput_32_clients_vs_offline_calls_of_32"] = round(
+                    by_level[32].tokens_per_s / offline["calls32_tokens_per_s"], 3)
+            if 1 in by_level:
+                ratios[f"{prefix}p50_1_client_vs_offline_single"] = round(
+                    by_level[1].p50_ms / offline["single_p50_ms"], 3)
         print(json.dumps(ratios) if args.json else
               f"offline: {offline}\nserved / offline: "
               f"{ {k: v for k, v in ratios.items() if k != 'offline'} }")

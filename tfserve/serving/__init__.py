@@ -6,16 +6,22 @@
     calls       per-call bookkeeping: in-flight count, request id, deadline, metrics by
                 (rpc, status), one access-log record (Calls, Call)
     stream      streamed translation: tokens -> text deltas (TextDelta, TokenStream, Chunk)
-    model_info  the model and the server's limits as plain data (ModelInfo)
+    messages    the tfserve.v1 messages <-> plain requests and results, and their JSON
+                mapping: one schema for every transport
+    model_info  the model and the server's limits (the tfserve.v1 ModelInfo message)
     core        ServingCore: config, runtime, scheduler, metrics, calls; start and drain
 
-The gRPC front end builds on it (`grpc_api`: the servicer, protobuf <-> plain requests,
-Status -> grpc.StatusCode; `grpc_server`: the grpc.aio server, TLS, auth, health,
-reflection). The modules above import no grpc, so another transport reuses them as they are.
+The front ends build on it: gRPC (`grpc_api`: the servicer, Status -> grpc.StatusCode;
+`grpc_server`: the grpc.aio server, TLS, auth, health, reflection) and HTTP/JSON
+(`http_api`: the routes, server-sent events, Status -> HTTP status, auth, the OpenAPI document
+of `openapi`; `http_server`: the aiohttp listener, TLS); `frontends` runs both around one
+core. The modules above use neither grpc nor aiohttp, so each transport reuses them as they
+are.
 """
 
 from tfserve.serving.calls import REQUEST_ID_KEY, Call, Calls
 from tfserve.serving.core import ServingCore, load_runtime
+from tfserve.serving.messages import from_json, to_json
 from tfserve.serving.model_info import Limits, ModelInfo, ParitySummary
 from tfserve.serving.requests import (
     EncodeInput,
@@ -54,7 +60,9 @@ __all__ = [
     "TokenStream",
     "TranslateInput",
     "check_request_id",
+    "from_json",
     "load_runtime",
     "shown",
     "status_for",
+    "to_json",
 ]

@@ -1,7 +1,8 @@
 """The gRPC transport of `tfserve.v1.Translator`: protobuf in, the serving core, protobuf out.
 
-`TranslatorService` converts each request message into the core's plain request
-(`tfserve.serving.requests`), submits it, and converts the results back. `GrpcCall` adds to
+`TranslatorService` converts each request message into the core's plain request, submits
+it, and converts the results back (both with `tfserve.serving.messages`, which the HTTP
+adapter uses too). `GrpcCall` adds to
 the core's `Call` what only gRPC knows: the peer, the `x-request-id` metadata in and out, the
 deadline, and answering a `Status` as a `grpc.StatusCode` (`GRPC_CODES`). Request messages
 that do not parse become `Malformed` (`lenient_parser`), so that they are answered
@@ -12,20 +13,24 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict
 from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import message_factory
 
-from tfserve.generation import Hypothesis
 from tfserve.proto import load as load_stubs
 from tfserve.scheduler import Job
 from tfserve.serving.calls import CALL_ENDED, REQUEST_ID_KEY, Call
 from tfserve.serving.core import ServingCore
-from tfserve.serving.requests import EncodeInput, OptionFields, TranslateInput
+from tfserve.serving.messages import (
+    encode_input,
+    encode_response,
+    stream_response,
+    translate_input,
+    translate_response,
+)
 from tfserve.serving.status import InvalidArgument, Status
-from tfserve.serving.stream import Chunk, TokenStream
+from tfserve.serving.stream import TokenStream
 
 pb2, pb2_grpc = load_stubs()
 SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["Translator"].full_name  # tfserve.v1.Translator
@@ -61,40 +66,6 @@ def lenient_parser(message_class: Any) -> Callable[[bytes], Any]:
             return Malformed(name, exc)
 
     return parse
-
-
-def option_fields(message: Any) -> OptionFields:
-    """proto DecodingOptions -> OptionFields (an unset optional field is None)."""
-
-    def optional(name: str) -> Any:
-        return getattr(message, name) if message.HasField(name) else None
-
-    return OptionFields(
-        max_new_tokens=message.max_new_tokens,
-        min_new_tokens=message.min_new_tokens,
-        num_beams=message.num_beams,
-        length_penalty=optional("length_penalty"),
-        early_stopping=message.early_stopping,
-        num_return_sequences=message.num_return_sequences,
-        do_sample=message.do_sample,
-        temperature=optional("temperature"),
-        top_k=message.top_k,
-        top_p=optional("top_p"),
-        seed=optional("seed"),
-    )
-
-
-def translate_input(request: Any) -> TranslateInput:
-    """TranslateRequest -> TranslateInput."""
-    return TranslateInput(texts=request.texts,
-                          token_ids=[sequence.ids for sequence in request.token_ids],
-                          truncate=request.truncate, options=option_fields(request.options))
-
-
-def encode_input(request: Any) -> EncodeInput:
-    """EncodeRequest -> EncodeInput."""
-    return EncodeInput(texts=request.texts, truncate=request.truncate, pooling=request.pooling,
-                       return_hidden_states=request.return_hidden_states)
 
 
 # -- calls ----------------------------------------------------------------------------------
@@ -216,33 +187,11 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
         self.submitter = core.submitter
         self.tokenizer = core.runtime.tokenizer
 
-    def _hypothesis(self, hypothesis: Hypothesis, text: str | None = None) -> Any:
-        if text is None:
-            text = self.tokenizer.decode(hypothesis.token_ids)
-        return pb2.Hypothesis(text=text, token_ids=hypothesis.token_ids,
-                              score=hypothesis.score)
-
-    def _stream_response(self, chunk: Chunk, request_id: str) -> Any:
-        if not chunk.done:
-            return pb2.TranslateStreamResponse(index=chunk.index, request_id=request_id,
-                                               text_delta=chunk.text_delta,
-                                               token_ids=chunk.token_ids)
-        assert chunk.final is not None
-        message = pb2.TranslateStreamResponse(
-            index=chunk.index, request_id=request_id, done=True, text_delta=chunk.text_delta,
-            token_ids=chunk.token_ids, final=self._hypothesis(chunk.final, chunk.final_text))
-        if chunk.hypotheses:
-            message.hypotheses.extend(self._hypothesis(h) for h in chunk.hypotheses)
-        return message
-
     @unary("Translate")
     async def Translate(self, request: Any, call: GrpcCall) -> Any:
         job = await self.submitter.submit_translate(translate_input(request), call)
         results = await call.wait(job)
-        return call.sized(pb2.TranslateResponse(
-            request_id=call.request_id,
-            translations=[pb2.Translation(hypotheses=[self._hypothesis(h) for h in hyps])
-                          for hyps in results]))
+        return call.sized(translate_response(results, call.request_id, self.tokenizer.decode))
 
     @streaming("TranslateStream")
     async def TranslateStream(self, request: Any, call: GrpcCall) -> AsyncIterator[Any]:
@@ -252,28 +201,19 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
         call.job = job
         await call.send_metadata()
         stream.end_with(job)
-        async for chunk in stream.chunks(self.tokenizer.decode):
-            yield call.sized(self._stream_response(chunk, call.request_id))
+        decode = self.tokenizer.decode
+        async for chunk in stream.chunks(decode):
+            yield call.sized(stream_response(chunk, call.request_id, decode))
         await call.wait(job)  # raises the job's error, if it failed
 
     @unary("Encode")
     async def Encode(self, request: Any, call: GrpcCall) -> Any:
         results = await call.wait(await self.submitter.submit_encode(encode_input(request), call))
-        embeddings = []
-        for encoded in results:
-            message = pb2.Embedding(embedding=encoded.embedding.tolist(),
-                                    num_tokens=len(encoded.token_ids),
-                                    dim=int(encoded.embedding.shape[-1]),
-                                    token_ids=encoded.token_ids)
-            if encoded.hidden_states is not None:
-                message.hidden_states.extend(encoded.hidden_states.ravel().tolist())  # [len*D]
-            embeddings.append(message)
-        return call.sized(pb2.EncodeResponse(embeddings=embeddings,
-                                             request_id=call.request_id))
+        return call.sized(encode_response(results, call.request_id))
 
     @unary("GetModelInfo")
     async def GetModelInfo(self, request: Any, call: GrpcCall) -> Any:
-        return pb2.ModelInfo(**asdict(self.core.model_info()))
+        return self.core.model_info()
 
 
 def add_translator_service(service: TranslatorService, server: grpc.aio.Server) -> None:

@@ -1,19 +1,16 @@
-"""The gRPC server around a ServingCore: grpc.aio server options, TLS, the bearer-token
-interceptor, the Translator service, health and reflection, and the start / drain steps.
+"""The gRPC listener around the Translator service (tfserve.serving.grpc_api): grpc.aio
+server options, TLS, the bearer-token interceptor, health and reflection.
 
-grpc.aio runs every RPC on one event loop; the model only ever runs on the scheduler's worker
-thread, and results come back through futures (tfserve.serving.calls).
-
-Shutdown (SIGTERM / SIGINT, tfserve.server.serve): health goes NOT_SERVING, new RPCs get
-UNAVAILABLE, RPCs in flight finish within --grace-seconds, then the server stops.
+grpc.aio runs every RPC on one event loop (the HTTP front end shares it); the model only ever
+runs on the scheduler's worker thread, and results come back through futures
+(tfserve.serving.calls). tfserve.serving.frontends starts and drains it beside the HTTP
+front end, around one ServingCore.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,7 +18,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tfserve.metrics import Metrics
 from tfserve.serving.core import ServingCore
 from tfserve.serving.grpc_api import SERVICE_NAME, TranslatorService, add_translator_service
 from tfserve.settings import ServerConfig
@@ -118,44 +114,28 @@ def bind(server: grpc.aio.Server, config: ServerConfig, address: str) -> int:
         return 0
 
 
-class TranslatorServer:
-    """ServingCore + grpc.aio server + health + reflection + metrics endpoint.
+class GrpcServer:
+    """The gRPC front end of one ServingCore: the grpc.aio server with the Translator
+    service, health and reflection, on --host:--port.
 
-    `await start()` binds and serves; `await drain()` is the SIGTERM path. `runtime` is any
-    object with Runtime's interface (Backend + .tokenizer, .config, .manifest).
+    `bind()` listens (RuntimeError naming --port when it cannot), `await start()` serves and
+    sets health SERVING; on a drain, `await not_serving()` then `await stop(grace)`.
+    `shared_port`: one of --workers processes, which share the port (tfserve.workers).
     """
 
-    def __init__(self, config: ServerConfig, runtime: Any | None = None,
-                 metrics: Metrics | None = None, worker: int | None = None) -> None:
-        self.core = ServingCore(config, runtime, metrics)
-        self.config = self.core.config
-        # one of --workers processes (tfserve.workers): it shares the port with the others
-        self.worker = worker
-        self.runtime = self.core.runtime
-        self.metrics = self.core.metrics
-        self.scheduler = self.core.scheduler
+    def __init__(self, core: ServingCore, shared_port: bool = False) -> None:
+        self.core = core
+        self.config = core.config
+        self.shared_port = shared_port
         self.health = health.aio.HealthServicer()
         self.port = 0
         self._server: grpc.aio.Server | None = None
 
-    # the core's state, read by the drain's log line and by tests
-    @property
-    def draining(self) -> bool:
-        return self.core.calls.draining
-
-    @property
-    def in_flight(self) -> int:
-        return self.core.calls.in_flight
-
-    @property
-    def metrics_port(self) -> int:
-        return self.core.metrics_port
-
-    async def start(self) -> None:
+    def bind(self) -> None:
+        """Build the server and listen; RuntimeError naming --port when the port is busy."""
         config = self.config
-        self.core.serve_metrics()
         interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
-        server = grpc.aio.server(options=server_options(config, self.worker is not None),
+        server = grpc.aio.server(options=server_options(config, self.shared_port),
                                  interceptors=interceptors)
         add_translator_service(TranslatorService(self.core), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -164,42 +144,24 @@ class TranslatorServer:
         address = listen_address(config)
         self.port = bind(server, config, address)
         if self.port == 0:
-            self.metrics.close()
             raise RuntimeError(f"--port {config.port}: cannot listen on {address}")
-        self.core.start()
-        await server.start()
         self._server = server
+
+    async def start(self) -> None:
+        """Serve (after bind()), health SERVING."""
+        assert self._server is not None, "bind() first"
+        await self._server.start()
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving", extra={"fields": {
-            "event": "serving", "host": config.host, "port": self.port,
-            **({} if self.worker is None else {"worker": self.worker, "pid": os.getpid()}),
-            "metrics_port": self.metrics_port, "model": self.runtime.config.name,
-            "tls": config.tls_cert is not None, "mutual_tls": config.tls_client_ca is not None,
-            "auth": bool(config.auth_token),
-            "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
-            **self.runtime.describe()}})
 
-    async def drain(self, grace: float | None = None) -> None:
-        """NOT_SERVING, reject new RPCs, let those in flight finish within grace, stop."""
-        grace = self.config.grace_seconds if grace is None else grace
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
-        self.core.begin_drain()
+    async def not_serving(self) -> None:
+        """Health NOT_SERVING (the drain's first step; new RPCs are refused by the core)."""
         await self.health.enter_graceful_shutdown()
-        log.info("draining", extra={"fields": {"event": "draining", "in_flight": self.in_flight,
-                                               "grace_seconds": grace}})
-        await self.core.wait_idle(grace)
-        if self._server is not None:
-            # what is left are health watches and reflection streams, or RPCs past the grace
-            await self._server.stop(min(max(deadline - loop.time(), 0.0), 1.0))
-        await self.core.stop()
 
-    async def stop_now(self) -> None:
-        """Stop without waiting for the RPCs in flight (a second signal during the drain)."""
+    async def stop(self, grace: float | None) -> None:
+        """Stop; RPCs still running get `grace` seconds (None: until they end)."""
         if self._server is not None:
-            await self._server.stop(0)
-        self.scheduler.stop()
+            await self._server.stop(grace)
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

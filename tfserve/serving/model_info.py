@@ -1,72 +1,26 @@
-"""What the server tells clients about its model and limits, as plain data.
-
-The field names are those of the `tfserve.v1.ModelInfo` message (`Limits`, `ParitySummary`),
-so that a front end converts `dataclasses.asdict(info)` as it is: the gRPC adapter into the
-message, an HTTP one into JSON.
+"""What the server tells clients about its model and limits: the `tfserve.v1.ModelInfo`
+message itself (with its `Limits` and `ParitySummary`), which the gRPC adapter sends as it is
+and the HTTP one as its JSON mapping.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from tfserve.generation import DecodingOptions
+from tfserve.proto import load as load_stubs
 from tfserve.settings import ServerConfig
 from tfserve.version import __version__
 
-
-@dataclass(frozen=True)
-class Limits:
-    """The server's request limits (docs/server.md, flags)."""
-
-    max_texts_per_request: int
-    max_batch_size: int
-    max_batch_tokens: int
-    max_queue: int
-    max_message_bytes: int
-    default_max_new_tokens: int
-    max_beams: int
+pb2 = load_stubs()[0]
+# the messages, by the names the serving package exports
+ModelInfo, Limits, ParitySummary = pb2.ModelInfo, pb2.Limits, pb2.ParitySummary
 
 
-@dataclass(frozen=True)
-class ParitySummary:
-    """The export's parity check against the PyTorch model, from the manifest."""
-
-    passed: bool
-    max_abs_logits_diff: float
-    greedy_agreement: float
-    precision: str
-    device: str
-    report_json: str
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """The model's shape, where it runs, the server's limits and the export's parity."""
-
-    model_name: str
-    source_language: str
-    target_language: str
-    max_source_tokens: int
-    max_target_tokens: int
-    vocab_size: int
-    d_model: int
-    encoder_layers: int
-    decoder_layers: int
-    num_heads: int
-    positions: str
-    dtype: str
-    quantization: str
-    limits: Limits
-    device: str
-    providers: list[str]
-    tfserve_version: str
-    parity: ParitySummary
-
-
-def model_info(runtime: Any, config: ServerConfig, max_new_tokens_limit: int) -> ModelInfo:
-    """ModelInfo of `runtime` served with `config` (max_new_tokens_limit: the scheduler's)."""
+def model_info(runtime: Any, config: ServerConfig, max_new_tokens_limit: int) -> Any:
+    """The ModelInfo message of `runtime` served with `config` (max_new_tokens_limit: the
+    scheduler's)."""
     model = runtime.config
     manifest = runtime.manifest
     parity = dict(manifest.parity or {})

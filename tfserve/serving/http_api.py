@@ -1,0 +1,415 @@
+"""The HTTP/JSON transport of `tfserve.v1.Translator`: JSON in, the serving core, JSON out.
+
+The bodies are the `tfserve.v1` messages in protobuf's JSON mapping (tfserve.serving.messages,
+the same conversions the gRPC adapter uses); every call goes through the core's `Calls` as an
+`HttpCall`, so the checks, the in-flight and drain accounting, the metrics by (rpc, status)
+and the access log are the gRPC side's. The routes are one table (`ROUTES`), which builds both
+the aiohttp application and its OpenAPI document (tfserve.serving.openapi).
+
+    POST /v1/translate          TranslateRequest -> TranslateResponse        (rpc Translate)
+    POST /v1/translate:stream   TranslateRequest -> server-sent events of
+                                TranslateStreamResponse, then `event: done`  (TranslateStream)
+    POST /v1/encode             EncodeRequest -> EncodeResponse              (Encode)
+    GET  /v1/model              ModelInfo                                    (GetModelInfo)
+    GET  /metrics               the Prometheus exposition of the server's registry
+    GET  /healthz, /v2/health/live      200 while the process serves
+    GET  /readyz,  /v2/health/ready     200 when ready; 503 while starting or draining
+    GET  /openapi.json          this table as OpenAPI 3
+    GET  /, /static/...         the playground page (tfserve/serving/static)
+
+A failure is `{"error": {"code": <Status name>, "message": ...}}` with the HTTP status of
+`HTTP_STATUS`; in a stream, an error after the first event is an `event: error` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDictProxy
+
+from tfserve.serving.calls import CALL_ENDED, REQUEST_ID_KEY, Call
+from tfserve.serving.core import ServingCore
+from tfserve.serving.messages import (
+    encode_input,
+    encode_response,
+    from_json,
+    pb2,
+    stream_response,
+    to_json,
+    translate_input,
+    translate_response,
+)
+from tfserve.serving.openapi import Operation, openapi_document
+from tfserve.serving.requests import shown
+from tfserve.serving.status import InvalidArgument, ResponseTooLarge, Status
+from tfserve.serving.stream import TokenStream
+
+log = logging.getLogger("tfserve.server")
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"  # the playground page
+TIMEOUT_HEADER = "x-request-timeout-ms"  # the call's deadline, in milliseconds from arrival
+MAX_TIMEOUT_MS = 86_400_000  # one day
+
+HTTP_STATUS: dict[Status, int] = {
+    Status.OK: 200,
+    Status.INVALID_ARGUMENT: 400,
+    Status.UNAUTHENTICATED: 401,
+    Status.NOT_FOUND: 404,
+    Status.RESOURCE_EXHAUSTED: 429,
+    Status.CANCELLED: 499,  # nobody reads it: the client left
+    Status.INTERNAL: 500,
+    Status.UNAVAILABLE: 503,
+    Status.DEADLINE_EXCEEDED: 504,
+}
+
+Readiness = Callable[[], str]  # "" when ready, else why not
+
+
+class BodyTooLarge(ResponseTooLarge):
+    """A request body over --max-message-bytes: RESOURCE_EXHAUSTED as in gRPC, answered 413."""
+
+
+def error_response(code: str, message: str, http_status: int,
+                   headers: Mapping[str, str] | None = None) -> web.Response:
+    """The JSON error answer: {"error": {"code": ..., "message": ...}}."""
+    return web.json_response({"error": {"code": code, "message": message}},
+                             status=http_status, headers=headers)
+
+
+def request_timeout(headers: CIMultiDictProxy[str]) -> float:
+    """The x-request-timeout-ms header in seconds (0.0: none), or InvalidArgument naming it."""
+    values = headers.getall(TIMEOUT_HEADER, [])
+    if not values:
+        return 0.0
+    text = values[0].strip()
+    if len(values) > 1 or not (text.isascii() and text.isdigit()) or not (
+            1 <= int(text) <= MAX_TIMEOUT_MS):
+        given = "several headers" if len(values) > 1 else shown(values[0])
+        raise InvalidArgument(f"{TIMEOUT_HEADER} must be one integer number of milliseconds "
+                              f"in [1, {MAX_TIMEOUT_MS}], got {given}")
+    return int(text) / 1000.0
+
+
+class HttpCall(Call):
+    """A Call over an HTTP request: the id from the body or the x-request-id header, the
+    deadline from x-request-timeout-ms, the request's headers as the trace context."""
+
+    def __init__(self, core: ServingCore, rpc: str, request: web.Request,
+                 message: Any = None) -> None:
+        given = getattr(message, "request_id", "") or request.headers.get(REQUEST_ID_KEY, "")
+        timeout_error: InvalidArgument | None = None
+        try:
+            seconds = request_timeout(request.headers)
+        except InvalidArgument as exc:
+            seconds, timeout_error = 0.0, exc
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        super().__init__(core.calls, rpc, given_id=given,
+                         peer=(f"http:[{peer[0]}]:{peer[1]}" if ":" in str(peer[0]) else
+                               f"http:{peer[0]}:{peer[1]}") if peer else "http:",
+                         time_remaining=seconds or None, invalid=timeout_error,
+                         trace_carrier=request.headers,
+                         trace_name=f"{request.method} {request.path}")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The response headers every answer of this call carries."""
+        return {REQUEST_ID_KEY: self.request_id}
+
+    def sized(self, message: Any) -> bytes:
+        """The message as JSON, or ResponseTooLarge past --max-message-bytes."""
+        body = to_json(message)
+        self.check_size(len(body))
+        return body
+
+    def error(self, exc: BaseException) -> web.Response:
+        """Record the failure; its JSON answer (a call its client ended is re-raised)."""
+        status, details = self.failed(exc)
+        if isinstance(exc, CALL_ENDED):
+            raise exc
+        http_status = 413 if isinstance(exc, BodyTooLarge) else HTTP_STATUS[status]
+        return error_response(status.name, details, http_status, self.headers)
+
+
+async def read_message(request: web.Request, message_class: Any) -> Any:
+    """The request's JSON body as a message; InvalidArgument for a body that is not one
+    (wrong content type, not JSON, unknown field, wrong type), BodyTooLarge past the limit."""
+    if request.content_type != "application/json":
+        given = request.headers.get("Content-Type")
+        raise InvalidArgument("the request body must be JSON: Content-Type application/json, "
+                              f"got {shown(given) if given else 'none'}")
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BodyTooLarge(f"the request body is over the server's --max-message-bytes of "
+                           f"{request.app[MAX_BODY]} bytes") from None
+    return from_json(body, message_class)
+
+
+MAX_BODY = web.AppKey("max_body", int)
+
+
+# -- the routes -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Route:
+    """A route of the app: its documentation (`operation`) and the HttpApi method serving it."""
+
+    operation: Operation
+    handler: str
+
+
+_CALL_ERRORS = (400, 401, 429, 500, 503, 504)
+ROUTES = (
+    Route(Operation("POST", "/v1/translate", "Translate texts (or token ids)",
+                    "TranslateRequest", "TranslateResponse", errors=(*_CALL_ERRORS, 413)),
+          "translate"),
+    Route(Operation("POST", "/v1/translate:stream",
+                    "Translate, streaming each input's text as it is decided",
+                    "TranslateRequest", "TranslateStreamResponse", content="text/event-stream",
+                    errors=(*_CALL_ERRORS, 413)),
+          "translate_stream"),
+    Route(Operation("POST", "/v1/encode", "Sentence embeddings and per-token hidden states",
+                    "EncodeRequest", "EncodeResponse", errors=(*_CALL_ERRORS, 413)),
+          "encode"),
+    Route(Operation("GET", "/v1/model", "The model served and the server's limits",
+                    response="ModelInfo", errors=(401, 503)),
+          "model"),
+    Route(Operation("GET", "/metrics", "Prometheus metrics of this server process",
+                    content="text/plain", errors=(401,)),
+          "metrics"),
+    Route(Operation("GET", "/healthz", "Liveness: 200 while the process serves",
+                    content="application/json", secured=False), "live"),
+    Route(Operation("GET", "/readyz", "Readiness: 200 when ready, 503 while starting or draining",
+                    content="application/json", secured=False, errors=(503,)), "ready"),
+    Route(Operation("GET", "/v2/health/live", "Liveness (KServe v2 name)",
+                    content="application/json", secured=False), "live"),
+    Route(Operation("GET", "/v2/health/ready", "Readiness (KServe v2 name)",
+                    content="application/json", secured=False, errors=(503,)), "ready"),
+    Route(Operation("GET", "/openapi.json", "This document", content="application/json",
+                    errors=(401,)), "openapi"),
+)
+# served without the token: the probes, and the playground page with its files
+EXEMPT = frozenset({route.operation.path for route in ROUTES if not route.operation.secured}
+                   | {"/", "/static"})
+
+
+class HttpApi:
+    """The handlers of ROUTES over a ServingCore. `ready` says whether the server takes calls
+    ("" when it does, else why not: starting, draining)."""
+
+    def __init__(self, core: ServingCore, ready: Readiness) -> None:
+        self.core = core
+        self.submitter = core.submitter
+        self.decode = core.runtime.tokenizer.decode
+        self.ready_reason = ready
+        self.document = json.dumps(openapi_document(
+            (route.operation for route in ROUTES), bool(core.config.auth_token))).encode()
+
+    async def _unary(self, request: web.Request, rpc: str, message_class: Any,
+                     answer: Callable[[Any, HttpCall], Awaitable[bytes]]) -> web.Response:
+        """A unary call: read the body, begin the call, answer the JSON `answer` returns."""
+        message, body_error = None, None
+        if message_class is not None:
+            try:
+                message = await read_message(request, message_class)
+            except (InvalidArgument, BodyTooLarge) as exc:
+                body_error = exc
+        call = HttpCall(self.core, rpc, request, message)
+        try:
+            call.begin()
+            if body_error is not None:
+                raise body_error
+            body = await answer(message, call)
+        except BaseException as exc:
+            return call.error(exc)
+        call.finish(Status.OK)
+        return web.Response(body=body, content_type="application/json", headers=call.headers)
+
+    async def translate(self, request: web.Request) -> web.Response:
+        async def answer(message: Any, call: HttpCall) -> bytes:
+            job = await self.submitter.submit_translate(translate_input(message), call)
+            results = await call.wait(job)
+            return call.sized(translate_response(results, call.request_id, self.decode))
+
+        return await self._unary(request, "Translate", pb2.TranslateRequest, answer)
+
+    async def encode(self, request: web.Request) -> web.Response:
+        async def answer(message: Any, call: HttpCall) -> bytes:
+            job = await self.submitter.submit_encode(encode_input(message), call)
+            return call.sized(encode_response(await call.wait(job), call.request_id))
+
+        return await self._unary(request, "Encode", pb2.EncodeRequest, answer)
+
+    async def model(self, request: web.Request) -> web.Response:
+        async def answer(message: Any, call: HttpCall) -> bytes:
+            return call.sized(self.core.model_info())
+
+        return await self._unary(request, "GetModelInfo", None, answer)
+
+    async def translate_stream(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events: `data: <TranslateStreamResponse>` per chunk, `event: done` at
+        the end. The answer starts with the first chunk: whatever fails before it (the
+        checks, a full queue, the drain, a deadline in the queue) is a plain JSON error with
+        its HTTP status; a failure after it is an `event: error` and the end."""
+        message, body_error = None, None
+        try:
+            message = await read_message(request, pb2.TranslateRequest)
+        except (InvalidArgument, BodyTooLarge) as exc:
+            body_error = exc
+        call = HttpCall(self.core, "TranslateStream", request, message)
+        response: web.StreamResponse | None = None
+        try:
+            call.begin()
+            if body_error is not None:
+                raise body_error
+            stream = TokenStream(asyncio.get_running_loop())
+            job = await self.submitter.submit_translate(translate_input(message), call,
+                                                        stream.on_event)
+            call.job = job
+            stream.end_with(job)
+            async for chunk in stream.chunks(self.decode):
+                event = b"data: " + call.sized(
+                    stream_response(chunk, call.request_id, self.decode)) + b"\n\n"
+                if response is None:
+                    response = await self._start_events(request, call)
+                await response.write(event)
+            await call.wait(job)  # raises the job's error, if it failed
+            if response is None:
+                response = await self._start_events(request, call)
+            await response.write(b"event: done\ndata: {}\n\n")
+            await response.write_eof()
+        except ConnectionError as exc:  # the client went away while we wrote
+            call.failed(asyncio.CancelledError())
+            raise exc
+        except BaseException as exc:
+            if response is None:
+                return call.error(exc)
+            status, details = call.failed(exc)
+            if isinstance(exc, CALL_ENDED):
+                raise
+            error = json.dumps({"error": {"code": status.name, "message": details}},
+                               ensure_ascii=False).encode()
+            await response.write(b"event: error\ndata: " + error + b"\n\n")
+            await response.write_eof()
+            return response
+        call.finish(Status.OK)
+        return response
+
+    @staticmethod
+    async def _start_events(request: web.Request, call: HttpCall) -> web.StreamResponse:
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",  # proxies (nginx) pass each event on at once
+            **call.headers})
+        await response.prepare(request)
+        return response
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return web.Response(body=self.core.metrics.exposition(),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def live(self, request: web.Request) -> web.Response:
+        return web.json_response({"live": True})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        reason = self.ready_reason()
+        if reason:
+            return error_response(Status.UNAVAILABLE.name, reason, 503)
+        return web.json_response({"ready": True})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.document, content_type="application/json")
+
+    async def index(self, request: web.Request) -> web.StreamResponse:
+        page = STATIC_DIR / "index.html"
+        if not page.is_file():
+            return error_response(Status.NOT_FOUND.name, "no playground page in this install "
+                                  f"({page} is missing)", 404)
+        return web.FileResponse(page)
+
+
+# -- middlewares ----------------------------------------------------------------------------
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own errors (unknown route, wrong method) as JSON error bodies, and an
+    unexpected exception as INTERNAL, never an HTML page."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if exc.status == 405:
+            allowed = exc.headers.get("Allow", "")
+            message = (f"{request.method} {request.path}: method not allowed; this route "
+                       f"takes {allowed}")
+        elif exc.status == 404:
+            message = f"{request.method} {request.path}: no such route (GET /openapi.json " \
+                      "lists them)"
+        else:
+            message = exc.text or exc.reason
+        code = Status.NOT_FOUND if exc.status in (404, 405) else Status.INVALID_ARGUMENT
+        return error_response(code.name, message, exc.status,
+                              {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None)
+    except Exception:
+        log.exception("HTTP %s %s failed", request.method, request.path)
+        return error_response(Status.INTERNAL.name, "internal error", 500)
+
+
+def bearer_token(token: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """UNAUTHENTICATED (401) unless exactly one `Authorization: Bearer <token>` header
+    matches; the probes and the playground page are exempt, and an unknown route stays 404."""
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        match = request.match_info
+        if match.http_exception is not None or match.route.resource is None or (
+                match.route.resource.canonical in EXEMPT):
+            return await handler(request)
+        given = request.headers.getall("Authorization", [])
+        if len(given) == 1 and hmac.compare_digest(
+                given[0].encode("utf-8", "surrogateescape"), expected):
+            return await handler(request)
+        # more than one header is refused whatever they hold: which one a proxy or a
+        # framework reads is not ours to guess
+        reason = ("more than one Authorization header" if len(given) > 1
+                  else "missing or wrong bearer token in the Authorization header")
+        return error_response(Status.UNAUTHENTICATED.name, reason, 401,
+                              {"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+def make_app(core: ServingCore, ready: Readiness) -> web.Application:
+    """The aiohttp application of ROUTES over `core`: bodies up to --max-message-bytes, the
+    bearer token when --auth-token is set, JSON errors."""
+    middlewares: list[Any] = [json_errors]
+    if core.config.auth_token:
+        middlewares.append(bearer_token(core.config.auth_token))
+    app = web.Application(client_max_size=core.config.max_message_bytes,
+                          middlewares=middlewares)
+    app[MAX_BODY] = core.config.max_message_bytes
+    api = HttpApi(core, ready)
+    for route in ROUTES:  # add_route: GET without an implicit HEAD, the table is all there is
+        app.router.add_route(route.operation.method, route.operation.path,
+                             getattr(api, route.handler))
+    app.router.add_route("GET", "/", api.index)
+    if STATIC_DIR.is_dir():
+        app.router.add_static("/static", STATIC_DIR)
+    return app
