@@ -41,7 +41,7 @@ K8S = DOCKER / "k8s"
 DOCKERFILES = (DOCKER / "Dockerfile", DOCKER / "Dockerfile.cuda")
 IMAGE = os.environ.get("TFSERVE_DOCKER_IMAGE", "localhost/tfserve:test-cpu")
 UID = "10001"
-GRPC_PORT, METRICS_PORT = 50051, 9090
+GRPC_PORT, METRICS_PORT, HTTP_PORT = 50051, 9090, 8080
 BUILD_TIMEOUT_S = 1500  # a cold build is ~3-4 min here (torch wheel, export, pip installs)
 START_TIMEOUT_S = 120
 
@@ -405,7 +405,8 @@ def test_dockerfile_shape(path: Path) -> None:
     assert not unknown, f"not server env vars: {unknown}"
     assert env["TFSERVE_PORT"] == str(GRPC_PORT) and env["TFSERVE_METRICS_PORT"] == str(
         METRICS_PORT)
-    assert f"EXPOSE {GRPC_PORT} {METRICS_PORT}" in text
+    assert f"EXPOSE {GRPC_PORT} {METRICS_PORT} {HTTP_PORT}" in text
+    assert env["TFSERVE_HTTP_PORT"] == str(HTTP_PORT)
     assert re.search(rf"^USER {UID}:{UID}$", text, re.M)
     assert "HEALTHCHECK" in text and "healthcheck.py" in text
     assert "python -m export" in text and "tfserve.proto_build" in text
@@ -465,7 +466,7 @@ def test_k8s_deployments_probe_and_drain_consistently() -> None:
         env = {item["name"]: item.get("value") for item in container.get("env", [])}
         assert not {k for k in env if k.startswith("TFSERVE_")} - known_env
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
+        assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT, "http": HTTP_PORT}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == GRPC_PORT, probe
         assert container["readinessProbe"]["grpc"]["service"] == "tfserve.v1.Translator"
