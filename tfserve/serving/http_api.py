@@ -80,8 +80,13 @@ class BodyTooLarge(ResponseTooLarge):
 def error_response(code: str, message: str, http_status: int,
                    headers: Mapping[str, str] | None = None) -> web.Response:
     """The JSON error answer: {"error": {"code": ..., "message": ...}}."""
-    return web.json_response({"error": {"code": code, "message": message}},
-                             status=http_status, headers=headers)
+    return web.Response(body=error_json(code, message), status=http_status,
+                        content_type="application/json", headers=headers)
+
+
+def error_json(code: str, message: str) -> bytes:
+    return json.dumps({"error": {"code": code, "message": message}}, ensure_ascii=False,
+                      separators=(",", ":")).encode("utf-8")
 
 
 def request_timeout(headers: CIMultiDictProxy[str]) -> float:
@@ -296,9 +301,8 @@ class HttpApi:
             status, details = call.failed(exc)
             if isinstance(exc, CALL_ENDED):
                 raise
-            error = json.dumps({"error": {"code": status.name, "message": details}},
-                               ensure_ascii=False).encode()
-            await response.write(b"event: error\ndata: " + error + b"\n\n")
+            await response.write(b"event: error\ndata: " + error_json(status.name, details)
+                                 + b"\n\n")
             await response.write_eof()
             return response
         call.finish(Status.OK)

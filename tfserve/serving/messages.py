@@ -130,7 +130,9 @@ def from_json(body: bytes, message_class: Any) -> Any:
     try:
         return json_format.ParseDict(document, message_class())
     except (json_format.ParseError, RecursionError) as exc:
-        raise InvalidArgument(f"the request body is not a valid {name}: {exc}") from None
+        # json_format's messages name the field (and may run over several lines)
+        raise InvalidArgument(f"the request body is not a valid {name}: "
+                              f"{' '.join(str(exc).split())}") from None
 
 
 def to_dict(message: Any) -> dict[str, Any]:
