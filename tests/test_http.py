@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -26,6 +27,7 @@ from google.protobuf import json_format
 from server_helpers import (
     ROOT,
     Gate,
+    ProcessGate,
     ServerProcess,
     ServerThread,
     free_port,
@@ -474,6 +476,38 @@ def test_client_disconnect_cancels_the_stream(server: ServerThread) -> None:
     assert scheduler.stats.steps - steps_before < 100  # it did not decode on
 
 
+def test_disconnect_under_uvloop(random_model: Path) -> None:
+    """The real `python -m tfserve serve` (uvloop with --event-loop auto): a stream whose
+    client goes away while the model is held ends CANCELLED at once (the handler is
+    cancelled on the lost connection, not at its next write); the server then drains and
+    exits 0 on SIGTERM."""
+    pytest.importorskip("uvloop")
+    with ProcessGate() as gate:
+        port = free_port()
+        process = ServerProcess([*server_args(random_model), "--http-port", str(port)],
+                                gate=gate)
+        try:
+            process.wait_serving()
+            assert process.wait_for(lambda r: r.get("event") == "serving")["event_loop"] == (
+                "uvloop")
+            gate.hold()
+            connection = connect(f"http://127.0.0.1:{port}")
+            send(connection, "POST", "/v1/translate:stream", as_json(translate_request(
+                ["seven"], max_new_tokens=50, min_new_tokens=50, request_id="leaving")))
+            gate.wait_held()  # decoding, held before a step
+            connection.sock.shutdown(socket.SHUT_RDWR)
+            connection.close()
+            record = process.wait_for(lambda r: r.get("request_id") == "leaving")
+            assert (record["rpc"], record["status"]) == ("TranslateStream", "CANCELLED")
+            assert record["peer"].startswith("http:127.0.0.1:")
+            gate.release()
+            process.proc.send_signal(signal.SIGTERM)
+            assert process.proc.wait(60) == 0
+        finally:
+            gate.release()
+            process.kill()
+
+
 # -- health, drain, the document ------------------------------------------------------------
 
 
@@ -642,3 +676,33 @@ def test_loadgen_drives_both_transports(server: ServerThread,
     assert floor["errors"] == 0 and floor["tokens"] == 0
     assert main(["--transports", "http"]) == 2  # no --http
     assert main(["--http", "192.0.2.1:8080"]) == 2  # not loopback
+
+
+def test_trace_context_comes_from_the_headers(random_model: Path, runtime: Any) -> None:
+    """With tracing on, an HTTP call's span is named after its route and continues the trace
+    of the W3C `traceparent` header."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tfserve.serving.tracing import Tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    with ServerThread(server_args(random_model, "--http-port", str(free_port())),
+                      runtime=runtime) as running:
+        running.server.core.calls.tracing = Tracing(provider.get_tracer("tfserve-test"))
+        answer = request(running.http_url, "POST", "/v1/translate",
+                         as_json(translate_request(["seven"], max_new_tokens=2)),
+                         (("traceparent", f"00-{trace_id}-{parent_id}-01"),))
+        assert answer.status == 200
+        running.wait_until(lambda: len(exporter.get_finished_spans()) == 1)
+    provider.shutdown()
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "POST /v1/translate"
+    assert format(span.context.trace_id, "032x") == trace_id
+    assert format(span.parent.span_id, "016x") == parent_id
+    assert span.attributes["rpc.method"] == "Translate"

@@ -34,6 +34,7 @@ from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDictProxy
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from tfserve.serving.calls import CALL_ENDED, REQUEST_ID_KEY, Call
 from tfserve.serving.core import ServingCore
@@ -103,6 +104,15 @@ def request_timeout(headers: CIMultiDictProxy[str]) -> float:
     return int(text) / 1000.0
 
 
+def peer_name(request: web.Request) -> str:
+    """The client's address for the access log: http:HOST:PORT (http:[HOST]:PORT for IPv6)."""
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    if not peer:
+        return "http:"
+    host, port = peer[0], peer[1]
+    return f"http:[{host}]:{port}" if ":" in host else f"http:{host}:{port}"
+
+
 class HttpCall(Call):
     """A Call over an HTTP request: the id from the body or the x-request-id header, the
     deadline from x-request-timeout-ms, the request's headers as the trace context."""
@@ -115,10 +125,7 @@ class HttpCall(Call):
             seconds = request_timeout(request.headers)
         except InvalidArgument as exc:
             seconds, timeout_error = 0.0, exc
-        peer = request.transport.get_extra_info("peername") if request.transport else None
-        super().__init__(core.calls, rpc, given_id=given,
-                         peer=(f"http:[{peer[0]}]:{peer[1]}" if ":" in str(peer[0]) else
-                               f"http:{peer[0]}:{peer[1]}") if peer else "http:",
+        super().__init__(core.calls, rpc, given_id=given, peer=peer_name(request),
                          time_remaining=seconds or None, invalid=timeout_error,
                          trace_carrier=request.headers,
                          trace_name=f"{request.method} {request.path}")
@@ -219,16 +226,23 @@ class HttpApi:
         self.document = json.dumps(openapi_document(
             (route.operation for route in ROUTES), bool(core.config.auth_token))).encode()
 
-    async def _unary(self, request: web.Request, rpc: str, message_class: Any,
-                     answer: Callable[[Any, HttpCall], Awaitable[bytes]]) -> web.Response:
-        """A unary call: read the body, begin the call, answer the JSON `answer` returns."""
+    async def _call(self, request: web.Request, rpc: str, message_class: Any
+                    ) -> tuple[HttpCall, Any, Exception | None]:
+        """The call, its request message (None without a body, or a body that is not one)
+        and why the body is not one: raised once the call has begun, so that it is counted
+        and logged like any failed call."""
         message, body_error = None, None
         if message_class is not None:
             try:
                 message = await read_message(request, message_class)
             except (InvalidArgument, BodyTooLarge) as exc:
                 body_error = exc
-        call = HttpCall(self.core, rpc, request, message)
+        return HttpCall(self.core, rpc, request, message), message, body_error
+
+    async def _unary(self, request: web.Request, rpc: str, message_class: Any,
+                     answer: Callable[[Any, HttpCall], Awaitable[bytes]]) -> web.Response:
+        """A unary call: read the body, begin the call, answer the JSON `answer` returns."""
+        call, message, body_error = await self._call(request, rpc, message_class)
         try:
             call.begin()
             if body_error is not None:
@@ -265,12 +279,8 @@ class HttpApi:
         the end. The answer starts with the first chunk: whatever fails before it (the
         checks, a full queue, the drain, a deadline in the queue) is a plain JSON error with
         its HTTP status; a failure after it is an `event: error` and the end."""
-        message, body_error = None, None
-        try:
-            message = await read_message(request, pb2.TranslateRequest)
-        except (InvalidArgument, BodyTooLarge) as exc:
-            body_error = exc
-        call = HttpCall(self.core, "TranslateStream", request, message)
+        call, message, body_error = await self._call(request, "TranslateStream",
+                                                     pb2.TranslateRequest)
         response: web.StreamResponse | None = None
         try:
             call.begin()
@@ -318,8 +328,6 @@ class HttpApi:
         return response
 
     async def metrics(self, request: web.Request) -> web.Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         return web.Response(body=self.core.metrics.exposition(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
