@@ -2,7 +2,7 @@
 
     python -m export                                  # the bundled demo -> artifacts/<name>
     python -m export --checkpoint DIR --out OUT       # a native checkpoint
-    python -m export --from-hf DIR --out OUT          # a Hugging Face Marian checkpoint
+    python -m export --from-hf DIR --out OUT          # a Hugging Face Marian / T5 / mT5 checkpoint
     python -m export --quantize int8 --out OUT-int8   # dynamic int8 for CPU
 
 Template: load -> trace -> check -> (quantize) -> verify parity -> publish. Everything is
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="native checkpoint directory (config.json, model.safetensors, "
                         "tokenizer.json + SentencePiece files); default: the bundled demo")
     source.add_argument("--from-hf", type=Path, default=None, metavar="DIR",
-                        help="local Hugging Face checkpoint directory (MarianMT / opus-mt)")
+                        help="local Hugging Face checkpoint directory (MarianMT / opus-mt, "
+                        "T5 / Flan-T5 / MADLAD-400, mT5)")
     parser.add_argument("--out", type=Path, default=None,
                         help="artifacts directory to create (default: artifacts/<model name>)")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset version (14..20)")

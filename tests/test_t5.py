@@ -569,3 +569,63 @@ def test_missing_tokenizer_and_stray_tensors_are_refused(checkpoints, tmp_path, 
     with pytest.raises(SourceError, match="no place in tfserve's model: "
                                           "encoder.block.1.layer.0.SelfAttention"):
         import_hf(directory)
+
+
+# -- other precisions and the benchmark model -----------------------------------------------
+
+
+@pytest.mark.parametrize("flags", [["--dtype", "fp16"], ["--quantize", "int8"]],
+                         ids=["fp16", "int8"])
+def test_reduced_precision_exports_pass_their_parity_check(flags, checkpoints, tmp_path):
+    """fp16 graphs (standard ops, the bias per head added to the scores) and int8 graphs."""
+    out = tmp_path / "out"
+    assert export_main(["--from-hf", str(checkpoints["v10"][0]), "--out", str(out),
+                        "--quiet", *flags]) == 0
+    parity = json.loads((out / "model.json").read_text(encoding="utf-8"))["parity"]
+    assert parity["passed"] and not parity["failures"]
+    assert parity["greedy_random_sources"]["agreement"] >= 0.9
+    runtime = Translator(out, intra_op_threads=1).runtime  # the load checks run a step
+    assert runtime is not None and (runtime.manifest.dtype, runtime.manifest.quantization) == (
+        ("fp16", None) if "fp16" in flags else ("fp32", "int8"))
+
+
+def test_flan_t5_base_benchmark_model_layout(tmp_path):
+    """The compare tool's --model flan-t5-base spec and its tokenizer files: spiece.model
+    padded to T5's 32,000 pieces (32,100 ids with the sentinels, 32,128 in the model), and
+    inputs split by tokenizer.json."""
+    from tfserve.bench import models
+
+    spec = models.model_spec("flan-t5-base")
+    assert (spec.d_model, spec.layers, spec.heads, spec.ffn, spec.vocab, spec.family) == (
+        768, 12, 12, 2048, 32128, "t5")
+    assert models.model_spec("flan-t5-base", quick=True).family == "t5"
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        models.model_spec("nope")
+    words = models.pseudo_words(300, seed=0)
+    spiece = models.t5_spiece(models.pseudo_sentences(words, 300, seed=0), 32000)
+    (tmp_path / "spiece.model").write_bytes(spiece)
+    tokenizer = transformers.T5Tokenizer.from_pretrained(str(tmp_path), extra_ids=100)
+    assert len(tokenizer) == 32100 and tokenizer.convert_tokens_to_ids("<extra_id_0>") == 32099
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 1}), encoding="utf-8")
+    sources = models.make_inputs(tmp_path, 8)
+    assert all(20 <= len(s) <= 25 and s[-1] == 1 and 1 not in s[:-1] for s in sources)
+    assert max(max(s) for s in sources) < 32000  # the synthetic pieces never occur in text
+
+
+@pytest.mark.slow
+def test_quick_compare_runs_a_t5_model(tmp_path, capsys):
+    """`python -m tfserve.bench.compare --quick --model flan-t5-base`: a tiny random T5 in
+    every engine (CTranslate2's converter included), fp32 outputs equal to transformers'."""
+    from tfserve.bench import compare
+
+    pytest.importorskip("ctranslate2")
+    results = tmp_path / "results.json"
+    code = compare.main(["--quick", "--model", "flan-t5-base", "--work", str(tmp_path / "w"),
+                         "--json", str(results), "--timeout", "600"])
+    assert code == 0, capsys.readouterr().out
+    data = json.loads(results.read_text())
+    assert data["failures"] == {} and all(row["lengths_ok"] for row in data["rows"])
+    for case in compare.QUICK_CASES:
+        assert data["agreement_with_hf"][case]["tfserve-fp32"]["tokens"] == 1.0, case

@@ -3,6 +3,7 @@
     python -m tfserve.bench.compare                         # random opus-mt-base-sized model
     python -m tfserve.bench.compare --hf-dir opus-mt-en-de  # a real (downloaded) checkpoint
     python -m tfserve.bench.compare --quick                 # tiny model, seconds (smoke test)
+    python -m tfserve.bench.compare --model flan-t5-base    # a random Flan-T5-base-sized T5
 
 One run builds (or, with --work DIR, reuses) a MarianMT checkpoint, imports it with
 `python -m export --from-hf` (fp32, and int8 with --quantize int8), converts it with
@@ -40,7 +41,7 @@ from typing import Any
 
 from tfserve.bench.common import CASES, Case, cpu_count, export_quietly, json_line
 from tfserve.bench.engines import BUILD_STAMP, ENGINES, INPUTS_FILE, run_engine
-from tfserve.bench.models import BASE_MODEL, QUICK_MODEL, build_checkpoint, make_inputs
+from tfserve.bench.models import MODELS, build_checkpoint, make_inputs, model_spec
 from tfserve.bench.report import agreement, format_agreement, format_table, machine, ratios
 
 PROG = "python -m tfserve.bench.compare"
@@ -54,13 +55,14 @@ QUICK_CASES = {
 # -- build (a child process too: the parent stays free of torch) ------------------------------
 
 
-def build(work: Path, quick: bool, hf_dir: Path | None, sentences: int) -> dict[str, Any]:
+def build(work: Path, quick: bool, hf_dir: Path | None, sentences: int,
+          model: str = "opus-mt-base") -> dict[str, Any]:
     """Checkpoint, tfserve fp32/int8 artifacts, CTranslate2 float32/int8 models, inputs.
 
     Every step whose output is already in `work` (and was made for the same model) is skipped.
     """
     work.mkdir(parents=True, exist_ok=True)
-    spec = QUICK_MODEL if quick else BASE_MODEL
+    spec = model_spec(model, quick)
     key = {"hf_dir": str(hf_dir.resolve()) if hf_dir else None,
            "model": None if hf_dir else asdict(spec)}
     stamp_path = work / BUILD_STAMP
@@ -158,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: a new temporary directory)")
     parser.add_argument("--hf-dir", type=Path, default=None,
                         help="a downloaded MarianMT / opus-mt checkpoint instead of the random one")
+    parser.add_argument("--model", default="opus-mt-base", choices=list(MODELS),
+                        help="the random model to build (without --hf-dir)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny model, 1 repeat, 4 tokens (smoke test)")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated engines")
@@ -208,10 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     work = args.work or Path(tempfile.mkdtemp(prefix="tfserve-compare-"))
     if args.build_only:
-        print(json.dumps(build(work, args.quick, args.hf_dir, sentences)), flush=True)
+        print(json.dumps(build(work, args.quick, args.hf_dir, sentences, args.model)),
+              flush=True)
         return 0
 
-    common = ["--work", str(work), "--threads", str(threads)]
+    common = ["--work", str(work), "--threads", str(threads), "--model", args.model]
     if args.quick:
         common.append("--quick")
     if args.hf_dir is not None:

@@ -71,7 +71,8 @@ class TfserveEngine(Engine):
 
 
 class CTranslate2Engine(Engine):
-    """translate_batch on token strings: the vocabulary pieces of the same ids."""
+    """translate_batch on token strings: the vocabulary pieces of the same ids (Marian:
+    vocab.json; otherwise the vocabulary the converter wrote, in id order)."""
 
     def __init__(self, model_dir: Path, hf_dir: Path, compute_type: str, threads: int) -> None:
         import ctranslate2
@@ -79,7 +80,16 @@ class CTranslate2Engine(Engine):
         self.translator = ctranslate2.Translator(str(model_dir), device="cpu",
                                                  compute_type=compute_type,
                                                  intra_threads=threads, inter_threads=1)
-        vocab, _, _, _ = read_vocab(hf_dir)
+        if (hf_dir / "vocab.json").is_file():
+            vocab, _, _, _ = read_vocab(hf_dir)
+        else:
+            # T5: the tokenizer's pieces, then "<extra_id_N>" names for the model's ids
+            # beyond them (which repeat sentinel names: the first id of a name is kept)
+            pieces = json.loads((model_dir / "shared_vocabulary.json").read_text(
+                encoding="utf-8"))
+            vocab = {}
+            for index, piece in enumerate(pieces):
+                vocab.setdefault(piece, index)
         self.ids = vocab
         self.pieces = {i: piece for piece, i in vocab.items()}
 
@@ -97,15 +107,16 @@ class CTranslate2Engine(Engine):
 
 
 class HuggingFaceEngine(Engine):
-    """transformers' `MarianMTModel.generate` (PyTorch eager, fp32)."""
+    """transformers' `generate` (MarianMTModel or T5ForConditionalGeneration; PyTorch eager,
+    fp32)."""
 
     def __init__(self, hf_dir: Path, threads: int) -> None:
         import torch
-        from transformers import MarianMTModel
+        from transformers import AutoModelForSeq2SeqLM
 
         torch.set_num_threads(threads)
         self.torch = torch
-        self.model = MarianMTModel.from_pretrained(str(hf_dir)).eval()
+        self.model = AutoModelForSeq2SeqLM.from_pretrained(str(hf_dir)).eval()
         self.pad = self.model.config.pad_token_id
         # opus-mt forces eos at max_length, so min = max new tokens would end with eos: turn
         # it off where generate() reads it (a None in a generation_config passed to generate()

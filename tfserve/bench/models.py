@@ -3,8 +3,11 @@
 - `make_random_base`: a native tfserve checkpoint of opus-mt-base size (the offline benchmark);
 - `build_checkpoint`: a MarianMT checkpoint with transformers' own random initialisation, real
   Marian tokenizer files (a SentencePiece model trained on generated pseudo-words, vocab.json
-  padded with synthetic pieces, "<pad>" last as in opus-mt), for the engines comparison;
-- `make_inputs`: source id sequences of generated text, split by a checkpoint's source.spm.
+  padded with synthetic pieces, "<pad>" last as in opus-mt), for the engines comparison; or,
+  for a T5 spec, a T5ForConditionalGeneration of Flan-T5's layout (gated-gelu, untied
+  lm_head) with T5's tokenizer files (spiece.model padded to 32,000 pieces, 100 sentinels,
+  tokenizer.json);
+- `make_inputs`: source id sequences of generated text, split by a checkpoint's tokenizer.
 
 torch, transformers and sentencepiece are imported by the functions that need them.
 """
@@ -29,6 +32,7 @@ class ModelSpec:
     ffn: int
     vocab: int
     positions: int
+    family: str = "marian"  # "marian" or "t5"
 
 
 # Helsinki-NLP/opus-mt-* (transformer-base) sizes
@@ -36,6 +40,20 @@ BASE_MODEL = ModelSpec("random-opus-mt-base", d_model=512, layers=6, heads=8, ff
                        vocab=32000, positions=512)
 QUICK_MODEL = ModelSpec("random-opus-mt-tiny", d_model=32, layers=2, heads=4, ffn=64,
                         vocab=2500, positions=64)
+# google/flan-t5-base sizes: 12 heads of 64, 12+12 layers, gated-gelu FFN 2048, 32,128 ids
+FLAN_T5_BASE = ModelSpec("random-flan-t5-base", d_model=768, layers=12, heads=12, ffn=2048,
+                         vocab=32128, positions=512, family="t5")
+QUICK_T5 = ModelSpec("random-flan-t5-tiny", d_model=32, layers=2, heads=4, ffn=64, vocab=2600,
+                     positions=64, family="t5")
+# the models `python -m tfserve.bench.compare --model NAME` builds: (full size, --quick)
+MODELS = {"opus-mt-base": (BASE_MODEL, QUICK_MODEL), "flan-t5-base": (FLAN_T5_BASE, QUICK_T5)}
+
+
+def model_spec(name: str, quick: bool = False) -> ModelSpec:
+    """The spec `--model NAME` (and `--quick`) stands for."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    return MODELS[name][1 if quick else 0]
 
 SOURCE_LENGTHS = (20, 25)  # source tokens per sentence, </s> included
 SYLLABLES = ("ka lo mi tre sen vor pa qui dun el ra bo ste nu fi gar osh li ten wa zu xen po "
@@ -135,10 +153,13 @@ def marian_vocab(spm_model: bytes, size: int) -> dict[str, int]:
 
 
 def build_checkpoint(directory: Path, spec: ModelSpec, seed: int = 0) -> Path:
-    """A MarianMT checkpoint with transformers' random init, its spm models and vocab.json."""
+    """A MarianMT checkpoint with transformers' random init, its spm models and vocab.json
+    (a T5 one for a T5 spec: `build_t5_checkpoint`)."""
     import torch
     from transformers import MarianConfig, MarianMTModel
 
+    if spec.family == "t5":
+        return build_t5_checkpoint(directory, spec, seed)
     directory.mkdir(parents=True, exist_ok=True)
     words = pseudo_words(3000, seed)
     spm_model = train_spm(pseudo_sentences(words, 5000, seed), vocab_size=4000)
@@ -189,6 +210,75 @@ def write_marian_tokenizer(directory: Path, source_spm: bytes, target_spm: bytes
         tokenizer.save_pretrained(directory)
 
 
+# -- the random T5 checkpoint -----------------------------------------------------------------
+
+T5_EXTRA_IDS = 100  # T5's sentinels <extra_id_0..99>
+T5_PIECES = 32000  # spiece.model's pieces in T5 and Flan-T5: 32,100 ids with the sentinels
+
+
+def t5_spiece(lines: list[str], pieces: int) -> bytes:
+    """A unigram SentencePiece model in T5's layout (<pad> 0, </s> 1, <unk> 2, no bos) trained
+    on `lines`, padded to `pieces` pieces with synthetic ones that text never produces
+    ("▁zz00000"..., the lowest scores), as bytes."""
+    import io
+
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=min(pieces, 4000),
+        model_type="unigram", character_coverage=1.0, hard_vocab_limit=False, minloglevel=2,
+        pad_id=0, eos_id=1, unk_id=2, bos_id=-1, pad_piece="<pad>", eos_piece="</s>",
+        unk_piece="<unk>")
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model.getvalue())
+    lowest = min(piece.score for piece in proto.pieces)
+    known = {piece.piece for piece in proto.pieces}
+    index = 0
+    while len(proto.pieces) < pieces:
+        piece = f"\u2581zz{index:05d}"
+        index += 1
+        if piece not in known:
+            proto.pieces.add(piece=piece, score=lowest - 1.0 - index)
+    return proto.SerializeToString()
+
+
+def build_t5_checkpoint(directory: Path, spec: ModelSpec, seed: int = 0) -> Path:
+    """A T5ForConditionalGeneration of Flan-T5's layout (gated-gelu FFN, untied lm_head, head
+    dim d_model / heads) with transformers' random init, and T5's tokenizer files:
+    spiece.model (a trained model padded to 32,000 pieces, fewer for a small vocabulary),
+    tokenizer_config.json and tokenizer.json written by T5Tokenizer with 100 sentinels."""
+    import warnings
+
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    words = pseudo_words(3000, seed)
+    pieces = min(T5_PIECES, spec.vocab - T5_EXTRA_IDS)
+    (directory / "spiece.model").write_bytes(
+        t5_spiece(pseudo_sentences(words, 5000, seed), pieces))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = T5Tokenizer.from_pretrained(str(directory), extra_ids=T5_EXTRA_IDS)
+        tokenizer.save_pretrained(directory)
+    config = T5Config(
+        vocab_size=spec.vocab, d_model=spec.d_model, d_kv=spec.d_model // spec.heads,
+        d_ff=spec.ffn, num_layers=spec.layers, num_decoder_layers=spec.layers,
+        num_heads=spec.heads, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+        n_positions=spec.positions, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+        dropout_rate=0.1)
+    torch.manual_seed(seed)
+    model = T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # an lm_head of its own, as Flan-T5 (transformers 5 ties it otherwise)
+        model.lm_head.weight = torch.nn.Parameter(
+            torch.randn_like(model.shared.weight) * spec.d_model ** -0.5)
+    model.generation_config.max_length = spec.positions
+    model.save_pretrained(directory)
+    return directory
+
+
 # -- inputs -----------------------------------------------------------------------------------
 
 
@@ -205,10 +295,13 @@ def make_inputs(hf_dir: Path, count: int, seed: int = 1,
     """`count` source id sequences of lengths[0]..lengths[1] tokens, each ending with </s>.
 
     Generated text is split by the checkpoint's source.spm and mapped through vocab.json
-    (pieces missing from it become <unk>), as MarianTokenizer does, then cut to length.
+    (pieces missing from it become <unk>), as MarianTokenizer does, then cut to length; a T5
+    checkpoint's text is split by its tokenizer.json.
     """
     import sentencepiece as spm
 
+    if not (hf_dir / "vocab.json").is_file() and (hf_dir / "tokenizer.json").is_file():
+        return make_t5_inputs(hf_dir, count, seed, lengths)
     vocab, eos, unk, _ = read_vocab(hf_dir)
     processor = spm.SentencePieceProcessor()
     processor.Load(str(hf_dir / "source.spm"))
@@ -219,4 +312,25 @@ def make_inputs(hf_dir: Path, count: int, seed: int = 1,
         length = rng.randint(*lengths)
         pieces = processor.encode(text, out_type=str)[: length - 1]
         sources.append([vocab.get(piece, unk) for piece in pieces] + [eos])
+    return sources
+
+
+def make_t5_inputs(hf_dir: Path, count: int, seed: int = 1,
+                   lengths: tuple[int, int] = SOURCE_LENGTHS) -> list[list[int]]:
+    """make_inputs for a T5 checkpoint: generated text split by its tokenizer.json (as
+    transformers' T5Tokenizer splits it), cut to length, ending with </s>."""
+    from tfserve.tokenizer import Tokenizer, TokenizerSpec
+
+    config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    eos = int(config.get("eos_token_id", 1))
+    tokenizer = Tokenizer(hf_dir, TokenizerSpec(kind="hf-json", source="tokenizer.json",
+                                                pad_token_id=0, eos_token_id=eos,
+                                                unk_token_id=2))
+    rng = random.Random(seed)
+    words = pseudo_words(3000, seed=0)
+    sources = []
+    for text in pseudo_sentences(words, count, seed, low=40, high=50):
+        length = rng.randint(*lengths)
+        ids = [i for i in tokenizer.encode(text) if i != eos]
+        sources.append(ids[: length - 1] + [eos])
     return sources
