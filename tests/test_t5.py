@@ -292,6 +292,21 @@ def test_key_map_is_explicit_and_complete():
     assert len(set(map(str, key_map.values()))) == len(key_map)
 
 
+def test_native_checkpoint_round_trip(imported, tmp_path):
+    """save_checkpoint / load_checkpoint keep the T5 options and every weight (the position
+    biases included; their bucket tables are derived from the config)."""
+    from tfserve.model import load_checkpoint, save_checkpoint
+
+    model = imported["mt5"]
+    loaded = load_checkpoint(save_checkpoint(model, tmp_path / "native"))
+    assert loaded.config == model.config
+    ids = torch.randint(3, model.config.vocab_size, (2, 30))
+    decoder_ids = torch.randint(3, model.config.vocab_size, (2, 25))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, torch.ones_like(ids), decoder_ids),
+                                   model(ids, torch.ones_like(ids), decoder_ids), rtol=0, atol=0)
+
+
 # -- logits ---------------------------------------------------------------------------------
 
 
@@ -432,16 +447,17 @@ def test_beam_differs_from_greedy(searches):
 
 @pytest.mark.parametrize("name", ["v10", "mt5"])
 def test_continuous_batch_rows_at_different_positions(name, searches, runtimes):
-    """One DecodeBatch over ONNX Runtime: groups of sources (greedy and beam 4 alternating)
-    join a running batch at steps 0, 3, 7, 11 and 16, so its rows sit at different positions
-    with holes in front of the late ones' caches; every source gets generate's answer."""
+    """One DecodeBatch over ONNX Runtime: the 50 sources (greedy and beam 4 alternating)
+    join a running batch in groups of 10 at steps 0, 3, 7, 11 and 16, so its rows sit at
+    different positions with holes in front of the late ones' caches; every source gets
+    generate's answer."""
     runtime = runtimes[name]
     batch, expected = searches[name]
-    rows = list(range(0, 20))
+    rows = list(range(50))
     sources = [[int(t) for t, m in zip(ids, mask) if m] for ids, mask in
                zip(batch["input_ids"].tolist(), batch["attention_mask"].tolist())]
     modes = {row: "beam4" if row % 2 else "greedy" for row in rows}
-    joins = {0: rows[0:4], 3: rows[4:8], 7: rows[8:12], 11: rows[12:16], 16: rows[16:20]}
+    joins = {step: rows[10 * i: 10 * i + 10] for i, step in enumerate((0, 3, 7, 11, 16))}
     decode = DecodeBatch(runtime)
     results: dict[int, list[int]] = {}
     step = 0

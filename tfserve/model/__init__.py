@@ -1,7 +1,8 @@
 """The encoder-decoder Transformer in PyTorch: the eager reference every other backend matches.
 
-Read in this order: positions, attention, layers (feed-forward, encoder and decoder layers,
-embeddings), transformer (the stacks and the model), checkpoint.
+Read in this order: positions (sinusoidal, RoPE, T5's relative position bias), attention,
+layers (feed-forward, norms, encoder and decoder layers, embeddings), transformer (the stacks
+and the model), checkpoint.
 
 Shapes use B batch rows, S source length, T new target tokens, P past (cached) length,
 H heads, Dh head dim, D model dim, V vocab, L layers.
@@ -35,13 +36,17 @@ from tfserve.model.layers import (  # noqa: F401
     EncoderLayer,
     FeedForward,
     Residual,
+    RMSNorm,
+    make_norm,
     rows_of_groups,
 )
 from tfserve.model.positions import (  # noqa: F401
     FusedRotary,
+    RelativePositionBias,
     Rope,
     RotaryEmbedding,
     apply_rope,
+    bucket_of_distance,
     rotate,
     rotate_half,
     sinusoidal_table,

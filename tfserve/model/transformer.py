@@ -144,7 +144,9 @@ class Seq2SeqTransformer(nn.Module):
         input_ids, position_ids [B,T]; self_attention_mask [B,P+T] (0 = a hole: a cache slot
         this row never filled); encoder_attention_mask [B,S]; past [B,H,P,Dh] per layer;
         cross [B,H,S,Dh] per layer. New token t sits at key index P + t and may see the keys
-        j <= P + t that its row's mask marks valid (look-ahead + padding masks).
+        j <= P + t that its row's mask marks valid (look-ahead + padding masks). With relative
+        positions, query t is at position_ids[:, t] and a key at the number of slots its row
+        filled before it.
         """
         self._check_ids("decoder input_ids", input_ids, self.config.vocab_size)
         if (self.config.positions != "rope" and not torch.jit.is_tracing()
