@@ -638,17 +638,21 @@ def test_workers_serve_http(random_model: Path) -> None:
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
-def test_a_busy_http_port_is_one_clear_line(random_model: Path, workers: str) -> None:
+@pytest.mark.parametrize("flag", ["--http-port", "--port"])
+def test_a_busy_port_is_one_clear_line(random_model: Path, workers: str, flag: str) -> None:
+    """A held HTTP port, or a held gRPC port while HTTP is on (bound first, then stopped
+    again): exit 2 naming the flag, no traceback."""
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
+        ports = {"--http-port": str(free_port()), flag: str(port)}
         done = subprocess.run(
             [sys.executable, "-m", "tfserve", "serve", *server_args(random_model),
-             "--workers", workers, "--http-port", str(port)],
+             "--workers", workers, *(item for pair in ports.items() for item in pair)],
             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert f"--http-port {port}: cannot" in done.stderr, done.stderr[-2000:]
+    assert f"{flag} {port}: cannot" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
 
 
