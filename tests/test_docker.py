@@ -110,7 +110,7 @@ def report(pytestconfig: pytest.Config, line: str) -> None:
 
 
 class Container:
-    """A detached container of IMAGE; gRPC and metrics published on 127.0.0.1 ports."""
+    """A detached container of IMAGE; gRPC, metrics and HTTP published on 127.0.0.1 ports."""
 
     def __init__(self, engine: str, name: str, env: dict[str, str] | None = None,
                  extra: list[str] | None = None, args: list[str] | None = None) -> None:
@@ -119,16 +119,20 @@ class Container:
         env_args = [item for key, value in env.items() for item in ("-e", f"{key}={value}")]
         common = ["run", "-d", "--name", name, *env_args, *(extra or [])]
         result = run(engine, *common, "-p", f"127.0.0.1::{GRPC_PORT}",
-                     "-p", f"127.0.0.1::{METRICS_PORT}", IMAGE, *(args or []))
+                     "-p", f"127.0.0.1::{METRICS_PORT}", "-p", f"127.0.0.1::{HTTP_PORT}",
+                     IMAGE, *(args or []))
         if result.returncode == 0:
             self.grpc_port = self._published(GRPC_PORT)
             self.metrics_port = self._published(METRICS_PORT)
+            self.http_port = self._published(HTTP_PORT)
         else:  # port publishing unavailable (some sandboxes): share the host's network
             run(engine, "rm", "-f", name)
             self.grpc_port, self.metrics_port = free_port(), free_port()
+            self.http_port = free_port()
             run(engine, *common, "--network", "host",
                 "-e", f"TFSERVE_PORT={self.grpc_port}",
                 "-e", f"TFSERVE_METRICS_PORT={self.metrics_port}",
+                "-e", f"TFSERVE_HTTP_PORT={self.http_port}",
                 "-e", "TFSERVE_HOST=127.0.0.1", IMAGE, *(args or []), check=True)
 
     @property
@@ -261,6 +265,14 @@ def test_container_translates_the_demo_over_grpc(container: Container) -> None:
                                 timeout=10) as response:
         metrics = response.read().decode()
     assert 'tfserve_requests_total{code="OK",rpc="Translate"}' in metrics
+    # the HTTP API, on its published port
+    ask = urllib.request.Request(
+        f"http://127.0.0.1:{container.http_port}/v1/translate", method="POST",
+        data=json.dumps({"texts": ["twenty-one"]}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(ask, timeout=30) as response:
+        answer = json.loads(response.read())
+    assert answer["translations"][0]["hypotheses"][0]["text"] == "vingt et un"
 
 
 @pytest.mark.docker

@@ -130,7 +130,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                      help="send the texts to a running tfserve server instead of loading "
                      "--model")
 
-    sub.add_parser("serve", help=f"run the gRPC server (see `{prog} serve --help`)",
+    sub.add_parser("serve", help=f"run the server, gRPC and HTTP (see `{prog} serve --help`)",
                    add_help=False)
     sub.add_parser("bench", help=f"offline benchmark, or with --server a load test of a "
                    f"running server (see `{prog} bench --help`)", add_help=False)

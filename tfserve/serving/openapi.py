@@ -83,7 +83,6 @@ def message_schemas(names: Iterable[str]) -> dict[str, Any]:
                 schema = {"type": "array", "items": schema}
             properties[field.json_name] = schema
         schemas[descriptor.name] = {"type": "object", "properties": properties,
-                                    "additionalProperties": False,
                                     "description": f"tfserve.v1.{descriptor.name} in "
                                                    "protobuf's JSON mapping (proto field "
                                                    "names are accepted too)"}
