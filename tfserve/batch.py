@@ -448,7 +448,8 @@ def generate(
     if len(per_source) != count:
         raise ValueError(f"got {len(per_source)} DecodingOptions for {count} sources")
     limit = backend.max_target_positions - 1
-    per_source = [opts.validate(max_new_tokens_limit=limit) for opts in per_source]
+    per_source = [opts.validate(max_new_tokens_limit=limit, vocab_size=backend.vocab_size,
+                                eos_token_id=backend.eos_token_id) for opts in per_source]
     _, cross = backend.encode(input_ids, attention_mask)
     batch = DecodeBatch(backend)
     searches = [

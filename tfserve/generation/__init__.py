@@ -13,7 +13,8 @@ sampling fan out to their beams / samples after the first step, so the first ste
 cross-attention K/V are never computed per beam.
 
 Modules: `backend` (what a model must offer), `options` (DecodingOptions, Hypothesis),
-`kernels` (numpy passes over logits and their thread pool), `search` (the Search base class
+`kernels` (numpy passes over logits and their thread pool), `controls` (repetition_penalty
+and no_repeat_ngram_size over a search's rows), `search` (the Search base class
 and the registry `make_search` picks from), one module per strategy (`greedy`, `beam`,
 `sampling`). A new strategy is a module with a Search subclass decorated with
 `register_search`, imported below.
@@ -21,6 +22,7 @@ and the registry `make_search` picks from), one module per strategy (`greedy`, `
 
 from tfserve.generation.backend import Backend, Cache, StepOutput, narrow_first
 from tfserve.generation.beam import BeamSearch
+from tfserve.generation.controls import RepetitionControls, banned_ngram_tokens
 from tfserve.generation.greedy import GreedySearch
 from tfserve.generation.kernels import (
     PARALLEL_MIN_ELEMENTS,
@@ -46,9 +48,11 @@ __all__ = [
     "DecodingOptions",
     "GreedySearch",
     "Hypothesis",
+    "RepetitionControls",
     "SamplingSearch",
     "Search",
     "StepOutput",
+    "banned_ngram_tokens",
     "filter_logits",
     "log_softmax",
     "logsumexp",

@@ -19,6 +19,11 @@ class BeamSearch(Search):
     after the eos candidates are set aside. An eos candidate outside the top num_beams is
     ignored. With early_stopping the search ends as soon as num_beams hypotheses finished;
     without it, when no running beam can still beat the worst kept hypothesis.
+
+    Lengths (length_penalty, the stopping heuristic) count new tokens only: an input prefix
+    is left out, as transformers leaves out its decoder_input_ids. With repetition controls
+    each row's log-probabilities are penalised before the candidates are ranked, as
+    transformers' beam search does.
     """
 
     def __init__(self, options: DecodingOptions, eos_token_id: int, start_token_id: int) -> None:
@@ -30,20 +35,35 @@ class BeamSearch(Search):
         return sum_logprobs / (length**self.options.length_penalty)
 
     def keep_finished(self, tokens: list[int], sum_logprobs: float, complete: bool) -> None:
-        length = len(tokens) + (1 if complete else 0)
+        length = len(tokens) - self.input_prefix + (1 if complete else 0)
         self.finished.append(Hypothesis(tokens, self.normalized(sum_logprobs, length), complete))
         self.finished.sort(key=lambda h: -h.score)
         del self.finished[self.options.num_beams :]
 
     def candidates_per_row(self) -> int:
-        """Tokens per row `advance` must see: 2K, plus one in case eos is blocked."""
+        """Tokens per row `advance` must see: 2K, plus one in case eos is blocked (0: it
+        finds its own, after the repetition controls, or needs none for a forced step)."""
+        if self.forcing or self.controls is not None:
+            return 0
         return 2 * self.options.num_beams + 1
 
     def top_needed(self) -> int:
-        return 2 * self.options.num_beams
+        return self.needs(2 * self.options.num_beams)
+
+    def histories(self) -> np.ndarray:
+        return np.array([[self.start, *beam] for beam in self.beams], np.int64)  # [rows,L]
 
     def advance(self, logits: np.ndarray, lse: np.ndarray,
                 best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if self.forcing:
+            return self._force()
+        if self.controls is not None:
+            # [rows,V] log-probabilities, penalised as transformers' beam search does
+            log_probs = self.controls.apply(logits - lse[:, None], self.histories())
+            per_row = min(2 * self.options.num_beams + 1, logits.shape[1])
+            best = top_k_unordered(log_probs, per_row)  # [rows, 2K+1]
+            values = np.take_along_axis(log_probs, best, axis=-1)
+            return self._select(best, values, self.beam_scores, logits.shape[1])
         # the best 2K candidates overall are among each row's best 2K tokens: rank those only
         if best is None:
             per_row = min(self.candidates_per_row(), logits.shape[1])
@@ -54,12 +74,22 @@ class BeamSearch(Search):
 
     def advance_candidates(self, ids: np.ndarray, log_probs: np.ndarray
                            ) -> tuple[np.ndarray, np.ndarray]:
+        if self.forcing:
+            return self._force()
         return self._select(ids, log_probs, self.beam_scores, int(ids.max()) + 1)
 
-    def _select(self, best: np.ndarray, values: np.ndarray, offset: np.ndarray, vocab: int
-                ) -> tuple[np.ndarray, np.ndarray]:
+    def _force(self) -> tuple[np.ndarray, np.ndarray]:
+        """A prefix token for the single row, log-probability 0 (next_forced counts it
+        where it is new)."""
+        token = self.next_forced()
+        return self._select(np.array([[token]], np.int64), np.zeros((1, 1), np.float32),
+                            self.beam_scores, token + 1, decided=False)
+
+    def _select(self, best: np.ndarray, values: np.ndarray, offset: np.ndarray, vocab: int,
+                decided: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Keep the best num_beams continuations among candidates best [rows,k] whose
-        scores are offset [rows] + values [rows,k]; vocab: any bound above the token ids."""
+        scores are offset [rows] + values [rows,k]; vocab: any bound above the token ids;
+        decided: the search's own choice (new tokens), not a forced one."""
         num_beams = self.options.num_beams
         rows = best.shape[0]
         if self.generated < self.options.min_new_tokens:
@@ -68,7 +98,8 @@ class BeamSearch(Search):
         flat_2k = (np.arange(rows)[:, None] * vocab + best).ravel()  # beam * V + token
         count = min(2 * num_beams, scores_2k.size)
         top = np.lexsort((flat_2k, -scores_2k))[:count]  # best first, ties by beam then token
-        self.generated += 1
+        if decided:
+            self.generated += 1
         parents, tokens, scores = [], [], []
         for rank, (flat, score) in enumerate(zip(flat_2k[top].tolist(),
                                                  scores_2k[top].tolist())):

@@ -14,7 +14,35 @@ DEFAULT_MAX_NEW_TOKENS = 256
 class DecodingOptions:
     """How to search. Defaults give greedy decoding up to 256 new tokens (or the model's limit).
 
-    max_new_tokens None means min(256, the model's target positions - 1), set by validate().
+    max_new_tokens None means min(256, the model's target positions - 1, less an input
+    prefix), set by validate().
+
+    Output controls, all off by default (the searches then run exactly as without them):
+
+    - prefix_token_ids: the output's first tokens, forced. A target language token
+      (NLLB, M2M100, mBART-50) and a target prefix (text the output must start with) are
+      both such a prefix; requests with different prefixes decode in the same batch. The
+      forced tokens are part of every Hypothesis.token_ids and add 0 to its score (the
+      forced token's log-probability in the constrained distribution). How they count is
+      prefix_counts_as_new's choice:
+      False (a target prefix; transformers' generate(decoder_input_ids=[[start, *prefix]])):
+      they are decoder input, not new tokens: max_new_tokens and min_new_tokens count the
+      tokens after them, and a beam's length (for length_penalty) leaves them out;
+      True (forced tokens; transformers' forced_bos_token_id for a single token): they are
+      the first new tokens: max_new_tokens, min_new_tokens and the beam length count them.
+    - repetition_penalty (transformers' RepetitionPenaltyLogitsProcessor): every token
+      already in the decoder sequence (the start token and the prefix included) has its
+      score divided by the penalty where positive and multiplied by it where negative.
+      As in transformers, greedy search and sampling penalise the logits (before the
+      softmax, temperature and filters), beam search penalises the log-probabilities.
+    - no_repeat_ngram_size (transformers' NoRepeatNGramLogitsProcessor): no n-gram of this
+      size occurs twice in the decoder sequence (the start token and the prefix included):
+      a token that would complete a repeat is banned.
+
+    Scores with these controls: a hypothesis' score is the sum of its tokens' model
+    log-probabilities, a repeated token's multiplied by the repetition penalty (as
+    transformers' beam search scores them), forced tokens 0; the bans (pad, eos before
+    min_new_tokens, repeated n-grams) never renormalise.
     """
 
     max_new_tokens: int | None = None
@@ -28,6 +56,10 @@ class DecodingOptions:
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0  # 1.0: no nucleus filter
     seed: int | None = None
+    prefix_token_ids: tuple[int, ...] = ()
+    prefix_counts_as_new: bool = False
+    repetition_penalty: float = 1.0  # 1.0: off
+    no_repeat_ngram_size: int = 0  # 0: off
 
     MAX_BEAMS = 16
     # beyond these the scores over- or underflow (length ** length_penalty) or the tempered
@@ -35,27 +67,60 @@ class DecodingOptions:
     MAX_ABS_LENGTH_PENALTY = 10.0
     MIN_TEMPERATURE = 1e-4
     MAX_TEMPERATURE = 100.0
+    # a penalty of 10 already makes any repeat all but impossible (or, near 0, certain);
+    # n-grams longer than 64 tokens do not repeat in a translation, and the size bounds the
+    # work of every step
+    MAX_REPETITION_PENALTY = 10.0
+    MAX_NO_REPEAT_NGRAM_SIZE = 64
 
-    def validate(self, max_new_tokens_limit: int | None = None) -> DecodingOptions:
+    def validate(self, max_new_tokens_limit: int | None = None, *,
+                 vocab_size: int | None = None, eos_token_id: int | None = None
+                 ) -> DecodingOptions:
         """Raise ValueError naming the first option outside its limit.
 
-        Returns the options to use: self, or a copy with max_new_tokens filled in when it is
-        None (the caller's object is never changed, so it can be reused with another model).
-        """
-        if self.max_new_tokens is None:
-            return dataclasses.replace(self, max_new_tokens=min(
-                DEFAULT_MAX_NEW_TOKENS, max_new_tokens_limit or DEFAULT_MAX_NEW_TOKENS)
-            ).validate(max_new_tokens_limit)
+        max_new_tokens_limit: the model's target positions - 1 (the start token takes one);
+        an input prefix takes its length more. vocab_size and eos_token_id, where given,
+        check prefix_token_ids against the model (make_search checks eos again).
 
-        def integer(name: str, low: int, high: int | None = None) -> None:
+        Returns the options to use: self, or a copy with max_new_tokens filled in when it is
+        None and prefix_token_ids as a tuple of ints (the caller's object is never changed,
+        so it can be reused with another model).
+        """
+        prefix = self._checked_prefix(vocab_size, eos_token_id)
+        if not isinstance(self.prefix_counts_as_new, (bool, np.bool_)):
+            raise ValueError(f"prefix_counts_as_new must be a boolean, "
+                             f"got {self.prefix_counts_as_new!r}")
+        input_prefix = 0 if self.prefix_counts_as_new else len(prefix)
+        limit = max_new_tokens_limit
+        if limit is not None and input_prefix:
+            if input_prefix >= limit:
+                raise ValueError(f"prefix_token_ids has {input_prefix} tokens, over the "
+                                 f"model's limit of {limit - 1} (its target positions less "
+                                 f"the start token and one new token)")
+            limit -= input_prefix
+        if self.max_new_tokens is None or prefix is not self.prefix_token_ids:
+            max_new_tokens = self.max_new_tokens
+            if max_new_tokens is None:
+                max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, limit or DEFAULT_MAX_NEW_TOKENS)
+            return dataclasses.replace(self, max_new_tokens=max_new_tokens,
+                                       prefix_token_ids=prefix).validate(
+                max_new_tokens_limit, vocab_size=vocab_size, eos_token_id=eos_token_id)
+
+        def integer(name: str, low: int, high: int | None = None, why: str = "") -> None:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
             if value < low or (high is not None and value > high):
                 bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-                raise ValueError(f"{name} must be {bound}, got {value}")
+                raise ValueError(f"{name} must be {bound}{why}, got {value}")
 
-        integer("max_new_tokens", 1, max_new_tokens_limit)
+        integer("max_new_tokens", 1, limit,
+                f" (the model's limit less the {input_prefix} tokens of prefix_token_ids)"
+                if input_prefix and limit is not None else "")
+        if self.prefix_counts_as_new and self.max_new_tokens < len(prefix):
+            raise ValueError(f"max_new_tokens must be >= the {len(prefix)} tokens of "
+                             f"prefix_token_ids when prefix_counts_as_new is set, "
+                             f"got {self.max_new_tokens}")
         integer("min_new_tokens", 0, self.max_new_tokens)
         integer("num_beams", 1, self.MAX_BEAMS)
         integer("top_k", 0)
@@ -80,16 +145,44 @@ class DecodingOptions:
                              f"got {self.length_penalty!r}")
         if self.seed is not None:
             integer("seed", 0, 2**63 - 1)
+        if not (isinstance(self.repetition_penalty, (int, float))
+                and not isinstance(self.repetition_penalty, bool)
+                and 0 < self.repetition_penalty <= self.MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty must be in (0, {self.MAX_REPETITION_PENALTY}]"
+                             f" (1.0: off), got {self.repetition_penalty!r}")
+        integer("no_repeat_ngram_size", 0, self.MAX_NO_REPEAT_NGRAM_SIZE)
         return self
+
+    def _checked_prefix(self, vocab_size: int | None, eos_token_id: int | None
+                        ) -> tuple[int, ...]:
+        """prefix_token_ids as a tuple of ints, or ValueError naming the field."""
+        value = self.prefix_token_ids
+        if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list, np.ndarray)):
+            raise ValueError(f"prefix_token_ids must be a sequence of token ids, got {value!r}")
+        for token in value:
+            if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+                raise ValueError(f"prefix_token_ids must hold integer token ids, got {token!r}")
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                bound = f"in [0, {vocab_size - 1}]" if vocab_size is not None else ">= 0"
+                raise ValueError(f"prefix_token_ids must hold token ids {bound}, got {token}")
+            if eos_token_id is not None and token == eos_token_id:
+                raise ValueError(f"prefix_token_ids must not contain the eos token "
+                                 f"(id {eos_token_id}): the output would end inside its prefix")
+        if isinstance(value, tuple) and all(type(token) is int for token in value):
+            return value  # already in shape: validate() returns self
+        return tuple(int(token) for token in value)
 
 
 @dataclass
 class Hypothesis:
     """One output sequence: token ids (no start token, no eos) and its score.
 
-    Greedy and sampling scores are the sum of the model's log-probabilities of the tokens
-    (eos included when it was produced); beam scores are that sum divided by
-    length ** length_penalty, length counting the eos.
+    token_ids begin with the options' prefix_token_ids, whether they count as new tokens or
+    not. Greedy and sampling scores are the sum of the model's log-probabilities of the
+    tokens (eos included when it was produced); beam scores are that sum divided by
+    length ** length_penalty, length counting the eos and the new tokens (not an input
+    prefix: see DecodingOptions). Forced prefix tokens add 0; with a repetition_penalty a
+    repeated token's log-probability is multiplied by it.
     """
 
     token_ids: list[int]

@@ -14,7 +14,9 @@ class SamplingSearch(Search):
     """num_return_sequences independent samples from the tempered, filtered distribution.
 
     Each search owns its random generator, seeded from the request, so the same seed gives
-    the same output whatever else shares the batch.
+    the same output whatever else shares the batch. The samples fan out after the prefix;
+    repetition controls act on the logits, before temperature and filters (as in
+    transformers).
     """
 
     def __init__(self, options: DecodingOptions, eos_token_id: int, start_token_id: int) -> None:
@@ -24,15 +26,27 @@ class SamplingSearch(Search):
         self.rng = np.random.default_rng(seed)
         self.samples: list[list[int]] = [[]]
         self.scores: list[float] = [0.0]
+        self.fanned_out = False  # the single start row became the samples
+
+    def histories(self) -> np.ndarray:
+        return np.array([[self.start, *sample] for sample in self.samples], np.int64)
 
     def advance(self, logits: np.ndarray, lse: np.ndarray,
                 best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if self.forcing:
+            return self._force()
+        model_logits = logits
         logits = self.block_eos(logits)
-        if self.generated == 0:  # fan the single start row out to the samples
+        history = None
+        if self.controls is not None:
+            history = self.histories()  # [rows,L]
+            logits = self.controls.apply(logits, history)
+        if not self.fanned_out:  # fan the single start row out to the samples
             count = self.options.num_return_sequences
             parents = np.zeros(count, np.int64)
-            self.samples = [[] for _ in range(count)]
-            self.scores = [0.0] * count
+            self.samples = [list(self.samples[0]) for _ in range(count)]
+            self.scores = [self.scores[0]] * count
+            self.fanned_out = True
         else:
             parents = np.arange(self.rows, dtype=np.int64)
         scaled = logits[parents] / self.options.temperature  # banned tokens stay -inf
@@ -46,7 +60,11 @@ class SamplingSearch(Search):
                             len(cdf) - 1))
             while probs[slot, token] == 0.0:  # never land on a filtered-out token
                 token -= 1
-            score = self.scores[slot] + float(logits[parent, token] - lse[parent])
+            log_prob = model_logits[parent, token] - lse[parent]
+            if history is not None:
+                log_prob = self.controls.log_probs(  # type: ignore[union-attr]
+                    np.array([log_prob]), np.array([token]), history[parent : parent + 1])[0]
+            score = self.scores[slot] + float(log_prob)
             tokens = self.samples[slot]
             if token == self.eos:
                 self.finished.append(Hypothesis(list(tokens), score))
@@ -61,6 +79,20 @@ class SamplingSearch(Search):
         self.streamed = keep_tokens if self.options.num_return_sequences == 1 else []
         self.done = not keep_parents
         return np.array(keep_parents, np.int64), np.array(keep_tokens, np.int64)
+
+    def _force(self) -> tuple[np.ndarray, np.ndarray]:
+        """A prefix token for the single row, log-probability 0 (next_forced counts it
+        where it is new); at max_new_tokens every sample is the prefix so far."""
+        token = self.next_forced()
+        tokens = self.samples[0]
+        tokens.append(token)
+        self.streamed = [token] if self.options.num_return_sequences == 1 else []
+        if self.generated >= self.options.max_new_tokens:
+            self.finished.extend(Hypothesis(list(tokens), self.scores[0], finished=False)
+                                 for _ in range(self.options.num_return_sequences))
+            self.done = True
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.zeros(1, np.int64), np.array([token], np.int64)
 
     def results(self) -> list[Hypothesis]:
         return list(self.finished)  # samples in the order they finished; scores are not ranks

@@ -13,6 +13,7 @@ from typing import NamedTuple, TypeVar
 
 import numpy as np
 
+from tfserve.generation.controls import RepetitionControls
 from tfserve.generation.options import DecodingOptions, Hypothesis
 
 
@@ -23,13 +24,25 @@ class Search:
     logsumexp [rows] (log-probabilities are logits - logsumexp; banned tokens are -inf in the
     logits but not in the logsumexp), and returns, for each of its next rows, the parent row
     and the new token.
+
+    The first steps of a search with options.prefix_token_ids produce those tokens whatever
+    the logits (`forcing`, `next_forced`); the search stays a single row until they are
+    all out, so beams and samples fan out from the end of the prefix.
     """
 
     def __init__(self, options: DecodingOptions, eos_token_id: int, start_token_id: int) -> None:
         self.options = options
         self.eos = eos_token_id
         self.start = start_token_id
-        self.generated = 0  # tokens decided so far, per row
+        self.prefix = tuple(int(token) for token in options.prefix_token_ids)
+        if eos_token_id in self.prefix:
+            raise ValueError(f"prefix_token_ids must not contain the eos token "
+                             f"(id {eos_token_id}): the output would end inside its prefix")
+        self.forced = 0  # prefix tokens produced so far
+        # prefix tokens that are decoder input rather than new tokens (see DecodingOptions)
+        self.input_prefix = 0 if options.prefix_counts_as_new else len(self.prefix)
+        self.controls = RepetitionControls.of(options)
+        self.generated = 0  # new tokens decided so far, per row (an input prefix not counted)
         self.done = False
         self.finished: list[Hypothesis] = []
         self.rows = 1
@@ -37,6 +50,31 @@ class Search:
         self.streamed: list[int] = []  # tokens appended by the last step, for streaming
         # set by DecodeBatch.step when this search raised: it ended with this error, alone
         self.error: BaseException | None = None
+
+    @property
+    def forcing(self) -> bool:
+        """Whether the next step produces a prefix token."""
+        return self.forced < len(self.prefix)
+
+    def next_forced(self) -> int:
+        """The prefix token of this step; counts it as new where the options say so."""
+        token = self.prefix[self.forced]
+        self.forced += 1
+        if self.options.prefix_counts_as_new:
+            self.generated += 1
+        return token
+
+    def histories(self) -> np.ndarray:
+        """Each current row's decoder sequence [rows, L], start token first (what the
+        repetition controls look at)."""
+        raise NotImplementedError
+
+    def needs(self, count: int) -> int:
+        """What `top_needed` answers for a strategy that decides from `count` candidates:
+        a forced step needs none (1: any will do), repetition controls need every token."""
+        if self.forcing:
+            return 1
+        return 0 if self.controls is not None else count
 
     def block_eos(self, logits: np.ndarray) -> np.ndarray:
         if self.generated < self.options.min_new_tokens:

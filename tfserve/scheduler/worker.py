@@ -134,7 +134,9 @@ class Scheduler:
         `on_event` (called on the worker thread) receives the tokens of every step for
         single-hypothesis searches and one final event per input.
         """
-        options = options.validate(max_new_tokens_limit=self.max_new_tokens_limit)
+        options = options.validate(max_new_tokens_limit=self.max_new_tokens_limit,
+                                   vocab_size=self.backend.vocab_size,
+                                   eos_token_id=self.backend.eos_token_id)
         max_rows = max(options.num_beams, options.num_return_sequences)
         if max_rows > self.config.max_batch_size:
             field_name = "num_beams" if options.num_beams >= max_rows else "num_return_sequences"
