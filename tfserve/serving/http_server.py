@@ -27,7 +27,9 @@ def ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
     --tls-client-ca, clients must present a certificate signed by it (mutual TLS)."""
     if config.tls_cert is None or config.tls_key is None:
         return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    # a bare server context: no system CAs, so that with --tls-client-ca only certificates
+    # signed by that CA are accepted (as gRPC's require_client_auth does)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
         context.load_cert_chain(config.tls_cert, config.tls_key)
