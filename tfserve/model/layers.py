@@ -72,7 +72,7 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 class Residual(nn.Module):
-    """Sub-layer with residual connection and LayerNorm, post-norm (paper) or pre-norm."""
+    """Sub-layer with residual connection and a norm, post-norm (paper) or pre-norm."""
 
     def __init__(self, d_model: int, eps: float, pre_norm: bool, dropout: float,
                  norm: nn.Module | None = None) -> None:
@@ -108,16 +108,19 @@ def rows_of_groups(rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...
 
 
 def attention(cfg: ModelConfig) -> MultiHeadAttention:
+    """The config's attention: its heads, head dim, projection biases and score scaling."""
     return MultiHeadAttention(cfg.d_model, cfg.num_heads, cfg.attention_bias, cfg.head_dim,
                               cfg.attention_scale)
 
 
 def residual(cfg: ModelConfig) -> Residual:
+    """A residual block with the config's norm (LayerNorm or RMSNorm), before or after."""
     return Residual(cfg.d_model, cfg.layer_norm_eps, cfg.norm == "pre", cfg.dropout,
                     make_norm(cfg))
 
 
 def feed_forward(cfg: ModelConfig) -> FeedForward:
+    """The config's FFN: its width, activation, gating and biases."""
     return FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation, cfg.ffn_gated, cfg.ffn_bias)
 
 
@@ -196,25 +199,46 @@ class DecoderLayer(nn.Module):
 
 
 class Embeddings(nn.Module):
-    """Token embedding * scale + absolute positions (for sinusoidal / learned positions)."""
+    """Token embedding * scale + absolute positions (for sinusoidal / learned positions),
+    then the embedding LayerNorm where the config has one (BART, mBART).
+
+    Position p reads row p + position_offset of the table. With position_padding (M2M100,
+    NLLB) a pad token reads row pad_token_id instead, which is all zeros.
+    """
 
     def __init__(self, cfg: ModelConfig, tokens: nn.Embedding, max_positions: int) -> None:
         super().__init__()
         self.tokens = tokens
         self.scale = cfg.embed_scale
         self.kind = cfg.positions
+        self.offset = cfg.position_offset
+        self.pad_token_id = cfg.pad_token_id if cfg.position_padding else None
+        rows = max_positions + cfg.position_offset
         if cfg.positions == "sinusoidal":
-            table = sinusoidal_table(max_positions, cfg.d_model, cfg.sinusoidal_layout)
+            table = sinusoidal_table(rows, cfg.d_model, cfg.sinusoidal_layout)
+            if self.pad_token_id is not None:
+                table[self.pad_token_id] = 0.0
             # derived from the config, so not stored in checkpoints
             self.register_buffer("position_table", table, persistent=False)  # [N,D]
         elif cfg.positions == "learned":
-            self.position_embedding = nn.Embedding(max_positions, cfg.d_model)
+            self.position_embedding = nn.Embedding(rows, cfg.d_model)
+        self.norm = make_norm(cfg) if cfg.embedding_norm else None
         self.dropout = nn.Dropout(cfg.dropout)
+
+    def table_rows(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The table row of each token [B,T]: its position + offset, the pad row for pads."""
+        rows = position_ids + self.offset if self.offset else position_ids
+        if self.pad_token_id is not None:
+            rows = torch.where(input_ids == self.pad_token_id, self.pad_token_id, rows)
+        return rows
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.tokens(input_ids) * self.scale  # [B,T,D]
         if self.kind == "sinusoidal":
-            x = x + F.embedding(position_ids, self.position_table).to(x.dtype)
+            rows = self.table_rows(input_ids, position_ids)
+            x = x + F.embedding(rows, self.position_table).to(x.dtype)
         elif self.kind == "learned":
-            x = x + self.position_embedding(position_ids)
+            x = x + self.position_embedding(self.table_rows(input_ids, position_ids))
+        if self.norm is not None:
+            x = self.norm(x)
         return self.dropout(x)
