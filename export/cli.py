@@ -2,7 +2,7 @@
 
     python -m export                                  # the bundled demo -> artifacts/<name>
     python -m export --checkpoint DIR --out OUT       # a native checkpoint
-    python -m export --from-hf DIR --out OUT          # a Hugging Face Marian / T5 / mT5 checkpoint
+    python -m export --from-hf DIR --out OUT          # a Hugging Face checkpoint directory
     python -m export --quantize int8 --out OUT-int8   # dynamic int8 for CPU
 
 Template: load -> trace -> check -> (quantize) -> verify parity -> publish. Everything is
@@ -50,8 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="native checkpoint directory (config.json, model.safetensors, "
                         "tokenizer.json + SentencePiece files); default: the bundled demo")
     source.add_argument("--from-hf", type=Path, default=None, metavar="DIR",
-                        help="local Hugging Face checkpoint directory (MarianMT / opus-mt, "
-                        "T5 / Flan-T5 / MADLAD-400, mT5)")
+                        help="local Hugging Face checkpoint directory, or a cache snapshot "
+                        "(models--ORG--NAME/snapshots/HASH, named ORG/NAME): MarianMT / opus-mt, "
+                        "T5 / mT5 / Flan-T5 / MADLAD, BART / distilbart, mBART-50 / mBART-cc25, "
+                        "M2M100 / NLLB-200")
     parser.add_argument("--out", type=Path, default=None,
                         help="artifacts directory to create (default: artifacts/<model name>)")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset version (14..20)")
@@ -174,6 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.copy2(source.directory / name, staging / name)
         manifest = Manifest(
             config=model.config,
+            generation=source.generation or recorded_generation(model.config.extra),
             tokenizer=source.tokenizer_spec,
             dtype=args.dtype,
             quantization=args.quantize,
@@ -205,6 +208,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return {"out": str(out), "parity": report}
+
+
+def recorded_generation(extra: dict[str, Any]) -> dict[str, Any]:
+    """The generation settings an importer kept in ModelConfig.extra (Marian, T5)."""
+    from tfserve.generation_defaults import HF_FIELDS
+
+    recorded = extra.get("hf_generation")
+    if not isinstance(recorded, dict):
+        return {}
+    return {key: value for key, value in recorded.items()
+            if key in HF_FIELDS and value is not None}
 
 
 class ParityFailure(Exception):

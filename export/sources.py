@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tfserve.model import CONFIG_FILE, WEIGHTS_FILE, Seq2SeqTransformer, load_checkpoint
 from tfserve.tokenizer import Tokenizer, TokenizerError, TokenizerSpec
@@ -29,6 +30,8 @@ class Source:
     weight_files: list[Path]
     kind: str  # "native" or an importer name such as "hf-marian"
     sample_texts: list[str] = field(default_factory=list)
+    # the checkpoint's generation settings (tfserve.generation_defaults), HF field names
+    generation: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tokenizer_files(self) -> list[str]:

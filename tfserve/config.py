@@ -24,8 +24,10 @@ NORM_TYPES = ("layernorm", "rmsnorm")
 # self-attention scores (T5), bidirectional in the encoder and causal in the decoder
 POSITIONS = ("sinusoidal", "rope", "learned", "relative")
 # "interleaved" is the paper's PE[pos, 2i] = sin, PE[pos, 2i+1] = cos;
-# "half" is Marian's [sin(all frequencies) | cos(all frequencies)].
-SINUSOIDAL_LAYOUTS = ("interleaved", "half")
+# "half" is Marian's [sin(all frequencies) | cos(all frequencies)];
+# "fairseq" is fairseq's (M2M100, NLLB): [sin | cos] halves with the frequencies
+# 10000^(-i / (D/2 - 1)), computed in float32 as fairseq and transformers compute them.
+SINUSOIDAL_LAYOUTS = ("interleaved", "half", "fairseq")
 
 
 class ConfigError(ValueError):
@@ -65,6 +67,16 @@ class ModelConfig:
     attention_scale: bool = True
     max_source_positions: int = 512
     max_target_positions: int = 512
+    # absolute positions (sinusoidal, learned): position p reads row p + position_offset of
+    # the table (BART and mBART's learned tables: 2; M2M100 / NLLB: pad_token_id + 1)
+    position_offset: int = 0
+    # M2M100 / NLLB (fairseq's make_positions): a pad token gets no position (table row
+    # pad_token_id, all zeros) and is not counted: an encoder token's position is the number
+    # of non-pad tokens before it
+    position_padding: bool = False
+    # a LayerNorm on the embeddings (tokens + positions) of both stacks (BART, mBART:
+    # transformers' layernorm_embedding)
+    embedding_norm: bool = False
     scale_embedding: bool = True
     tie_word_embeddings: bool = True
     final_logits_bias: bool = False
@@ -146,6 +158,10 @@ class ModelConfig:
             )
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise ConfigError(f"positions='sinusoidal' needs an even d_model, got {self.d_model}")
+        if self.positions == "sinusoidal" and self.sinusoidal_layout == "fairseq" and \
+                self.d_model < 4:
+            raise ConfigError(f"sinusoidal_layout='fairseq' needs d_model >= 4, "
+                              f"got {self.d_model}")
         for name in ("relative_buckets", "relative_max_distance"):
             positive(name)
         if self.positions == "relative":
@@ -157,8 +173,12 @@ class ModelConfig:
                 raise ConfigError(
                     f"relative_max_distance must be > relative_buckets / 2 = "
                     f"{self.relative_buckets // 2}, got {self.relative_max_distance}")
+        value = self.position_offset
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"position_offset must be an integer >= 0, got {value!r}")
         for name in ("scale_embedding", "tie_word_embeddings", "final_logits_bias",
-                     "attention_bias", "attention_scale", "ffn_gated", "ffn_bias"):
+                     "attention_bias", "attention_scale", "ffn_gated", "ffn_bias",
+                     "position_padding", "embedding_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("rope_base", "layer_norm_eps", "dropout", "output_scale"):
@@ -180,6 +200,17 @@ class ModelConfig:
                 raise ConfigError(
                     f"{name} must be an integer in [0, vocab_size={self.vocab_size}), got {value!r}"
                 )
+        if self.position_offset and self.positions not in ("sinusoidal", "learned"):
+            raise ConfigError(f"position_offset needs absolute positions (sinusoidal or "
+                              f"learned), got positions={self.positions!r}")
+        if self.position_padding and self.positions not in ("sinusoidal", "learned"):
+            raise ConfigError(f"position_padding needs absolute positions (sinusoidal or "
+                              f"learned), got positions={self.positions!r}")
+        if self.position_padding and self.position_offset <= self.pad_token_id:
+            raise ConfigError(
+                f"position_padding needs position_offset > pad_token_id ({self.pad_token_id}): "
+                f"table row {self.pad_token_id} is the pad tokens' zero row, got "
+                f"position_offset={self.position_offset}")
 
     # -- JSON -----------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tfserve.config import ConfigError, ModelConfig
+from tfserve.generation_defaults import HF_FIELDS, GenerationDefaults
 from tfserve.tokenizer import TokenizerSpec
 
 FORMAT_VERSION = 1
@@ -80,6 +81,12 @@ class Manifest:
     parity: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    # the checkpoint's generation settings (tfserve.generation_defaults), HF field names
+    generation: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        return GenerationDefaults(self.generation)
 
     def to_dict(self) -> dict[str, Any]:
         layers = self.config.decoder_layers
@@ -107,6 +114,7 @@ class Manifest:
             "quantization": self.quantization,
             "parity": self.parity,
             "provenance": self.provenance,
+            "generation": self.generation,
         }
 
     def save(self, directory: str | Path) -> Path:
@@ -144,7 +152,9 @@ class Manifest:
                 decoder_data=data["graphs"]["decoder"].get("data", ""),
                 parity=data.get("parity", {}),
                 provenance=data.get("provenance", {}),
+                generation=_generation(data),
             )
+            GenerationDefaults(manifest.generation)
         except (KeyError, TypeError) as exc:
             raise ManifestError(f"{path} is missing or mistypes field {exc}") from exc
         except (ConfigError, ValueError) as exc:
@@ -174,6 +184,18 @@ class Manifest:
                 raise ManifestError(f"{path}: tokenizer.{field_name} is {value}, outside the "
                                     f"vocabulary [0, {vocab_size})")
         return manifest
+
+
+def _generation(data: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's generation settings; exports made before the field existed kept them
+    in model.extra.hf_generation."""
+    if "generation" in data:
+        return data["generation"]
+    extra = data["model"].get("extra") if isinstance(data["model"], dict) else None
+    recorded = extra.get("hf_generation") if isinstance(extra, dict) else None
+    if not isinstance(recorded, dict):
+        return {}
+    return {k: v for k, v in recorded.items() if k in HF_FIELDS and v is not None}
 
 
 # -- what a graph file declares ---------------------------------------------------------------

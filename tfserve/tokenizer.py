@@ -15,9 +15,16 @@
   T5Tokenizer maps it: the SentencePiece pieces and scores as a Unigram model, `extra_ids`
   sentinels `<extra_id_N>` on top of the vocabulary (`<extra_id_0>` last), `</s>` appended,
   no bos; run by `tokenizers` like "hf-json".
+- "spm-vocab": M2M100's SentencePiece model + vocab.json with added tokens matched in the
+  text, as transformers' M2M100Tokenizer does (`tfserve.spm_vocab`).
 
-Decoding drops special tokens. Imports numpy, sentencepiece and (for the last two modes)
-tokenizers only, so it is part of the serving path.
+Multilingual models (`TokenizerSpec.languages`, `tfserve.languages`) put a source language
+token around the text: `encode(text, source_language)` tokenizes the text alone (a
+tokenizer.json's own post-processor holds the language it was saved with) and frames it
+with the request's language token and eos, where the family puts them.
+
+Decoding drops special tokens (language tokens included). Imports numpy, sentencepiece and
+(for the tokenizer.json modes) tokenizers only, so it is part of the serving path.
 """
 
 from __future__ import annotations
@@ -31,8 +38,12 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
+from tfserve.languages import LanguageConventions, LanguageError
+from tfserve.spm_vocab import AddedToken, SpmVocabError, SpmVocabText
+
 WORD_BOUNDARY = "\u2581"  # SentencePiece's word-boundary mark '▁', a space in decoded text
-KINDS = ("sentencepiece", "hf-json", "t5-spiece")
+KINDS = ("sentencepiece", "hf-json", "t5-spiece", "spm-vocab")
+FRAME_PROBE = "a"  # a text whose ids show what a tokenizer adds around a text
 
 
 class TokenizerError(ValueError):
@@ -55,12 +66,21 @@ class TokenizerSpec:
     extra_special_ids: list[int] = field(default_factory=list)
     kind: str = "sentencepiece"  # one of KINDS
     extra_ids: int = 0  # t5-spiece: the number of <extra_id_N> sentinels
+    # spm-vocab: the tokens matched in the text (AddedToken dicts)
+    added_tokens: list[dict[str, Any]] = field(default_factory=list)
+    # multilingual models: LanguageConventions as a dict (None: no languages)
+    languages: dict[str, Any] | None = None
 
     def files(self) -> list[str]:
         return [f for f in (self.source, self.target, self.vocab) if f]
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        data = dict(self.__dict__)
+        # older readers know neither field: written only where a model has them
+        for name in ("added_tokens", "languages"):
+            if not data[name]:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TokenizerSpec:
@@ -192,7 +212,10 @@ class Tokenizer:
         self.hf: HFText | None = None
         if spec.kind not in KINDS:
             raise TokenizerError(f"tokenizer kind must be one of {KINDS}, got {spec.kind!r}")
-        if spec.kind != "sentencepiece":
+        self.spm_vocab: SpmVocabText | None = None
+        if spec.kind == "spm-vocab":
+            self._load_spm_vocab(directory, spec)
+        elif spec.kind != "sentencepiece":
             path = directory / spec.source
             loaded = (load_hf_json(path) if spec.kind == "hf-json"
                       else t5_from_spiece(path, spec.extra_ids))
@@ -215,6 +238,54 @@ class Tokenizer:
                             *spec.extra_special_ids}
         if self.hf is not None:
             self.special_ids |= self.hf.special_ids
+        if self.spm_vocab is not None:
+            self.special_ids |= self.spm_vocab.special_ids
+        self.languages: LanguageConventions | None = None
+        if spec.languages is not None:
+            try:
+                self.languages = LanguageConventions.from_dict(spec.languages)
+            except (TypeError, ValueError) as exc:
+                raise TokenizerError(f"tokenizer {exc}") from exc
+            for code, token_id in self.languages.codes.items():
+                if token_id >= self.vocab_size:
+                    raise TokenizerError(f"tokenizer languages: {code!r} has token id "
+                                         f"{token_id}, outside the vocabulary "
+                                         f"[0, {self.vocab_size})")
+            # a language token is never part of a translation's text
+            self.special_ids |= set(self.languages.codes.values())
+        self._frame = self._own_frame()
+
+    def _load_spm_vocab(self, directory: Path, spec: TokenizerSpec) -> None:
+        if not spec.vocab:
+            raise TokenizerError("tokenizer kind spm-vocab needs a vocab file")
+        try:
+            added = [AddedToken.from_dict(token) for token in spec.added_tokens]
+            self.spm_vocab = SpmVocabText(directory / spec.source, directory / spec.vocab,
+                                          added, spec.unk_token_id)
+        except SpmVocabError as exc:
+            raise TokenizerError(str(exc)) from exc
+        self.source_spm = self.target_spm = self.spm_vocab.processor
+        self.vocab_size = self.spm_vocab.vocab_size
+        if spec.languages:
+            codes = spec.languages.get("codes") if isinstance(spec.languages, dict) else None
+            if isinstance(codes, dict) and codes:
+                ids = [i for i in codes.values() if isinstance(i, int)]
+                self.vocab_size = max([self.vocab_size, *(i + 1 for i in ids)])
+
+    def _own_frame(self) -> tuple[list[int], list[int]]:
+        """What encoding adds around a text's ids when the model has no languages: eos
+        after it (SentencePiece modes), or what a tokenizer.json's post-processor adds
+        (T5: </s> after; BART: <s> before and </s> after)."""
+        if self.hf is None:
+            return [], [self.eos_id]
+        text = self.hf.tokenizer.encode(FRAME_PROBE, add_special_tokens=False).ids
+        full = self.hf.encode(FRAME_PROBE)
+        for start in range(len(full) - len(text) + 1):
+            if full[start:start + len(text)] == text:
+                return full[:start], full[start + len(text):]
+        raise TokenizerError(f"{self.directory / self.spec.source}: its post-processor "
+                             "changes the text's tokens; tfserve places only tokens around "
+                             "them")
 
     def _load_sentencepiece(self, directory: Path, spec: TokenizerSpec) -> None:
         self.source_spm = _load_spm(directory / spec.source)
@@ -251,17 +322,40 @@ class Tokenizer:
         return prefix + [self.piece_to_id.get(p, self.unk_id)
                          for p in processor.EncodeAsPieces(text)]
 
-    def encode(self, text: str) -> list[int]:
-        """Source ids of one text, ending with eos (tokenizers modes: what the
-        post-processor adds)."""
+    def encode(self, text: str, source_language: str | None = None) -> list[int]:
+        """Source ids of one text: its tokens in their frame (eos after them; a
+        multilingual model's source language token where its family puts it, the
+        checkpoint's default language when none is given)."""
+        before, after = self.frame(source_language)
+        return before + self.encode_text(text) + after
+
+    def encode_text(self, text: str) -> list[int]:
+        """The ids of one text's own tokens, no eos or other token added."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"text must be a string, got {type(text).__name__}")
         if self.hf is not None:
-            return self._hf_ids(text)
-        return self._ids(self.source_spm, text) + [self.eos_id]
+            return list(self.hf.tokenizer.encode(text, add_special_tokens=False).ids)
+        if self.spm_vocab is not None:
+            return self.spm_vocab.encode(text)
+        return self._ids(self.source_spm, text)
+
+    def frame(self, source_language: str | None = None) -> tuple[list[int], list[int]]:
+        """The ids that go before and after a source text's own ids. A source_language
+        of a model without languages is refused naming the field (LanguageError, a
+        ValueError)."""
+        if self.languages is None:
+            if source_language:
+                raise LanguageError("source_language is not accepted: this model has no "
+                                    "language codes")
+            return list(self._frame[0]), list(self._frame[1])
+        return self.languages.frame(self.languages.source_id(source_language), self.eos_id)
 
     def encode_target(self, text: str) -> list[int]:
         """Target-side ids of one text, ending with eos (training labels, references)."""
-        if self.hf is not None:
+        if self.hf is not None and self.languages is None:
             return self._hf_ids(text)
+        if self.hf is not None or self.spm_vocab is not None:
+            return self.encode_text(text) + [self.eos_id]
         return self._ids(self.target_spm, text) + [self.eos_id]
 
     def _hf_ids(self, text: str) -> list[int]:
@@ -310,6 +404,8 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Target text of ids, special tokens dropped."""
         kept = [int(i) for i in ids if int(i) not in self.special_ids]
+        if self.spm_vocab is not None:
+            return self.spm_vocab.decode(kept)
         if self.hf is not None:
             # ids the model has beyond the tokenizer's vocabulary (T5 pads it to a multiple
             # of 128) have no text
@@ -326,6 +422,8 @@ class Tokenizer:
         return text.strip()
 
     def id_to_token(self, token_id: int) -> str:
+        if self.spm_vocab is not None:
+            return self.spm_vocab.id_to_piece.get(token_id, "<unk>")
         if self.hf is not None:
             return self.hf.id_to_token(token_id) or "<unk>"
         if self.id_to_piece is not None:

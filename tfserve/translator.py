@@ -4,6 +4,16 @@
     translator = Translator("artifacts/opus-mt-en-de", device="cpu")
     translator.translate(["Hello world."], num_beams=4)
 
+    nllb = Translator("artifacts/nllb-200-distilled-600M")
+    nllb.translate(["Hello world."], source_language="eng_Latn", target_language="fra_Latn")
+    nllb.translate(["Hello.", "Hello."], target_language=["fra_Latn", "deu_Latn"])
+
+Options a call leaves unset take the checkpoint's own generation defaults (its
+generation_config.json, recorded in the manifest: opus-mt asks for beam search, NLLB for a
+max_length); `Translator.generation_defaults` holds them. Languages, target prefixes and the
+options are turned into ids and DecodingOptions by tfserve.translation_inputs, as the server
+does.
+
 Input checks are the same for every front end (Python API, CLI, gRPC): each bad input is a
 ValueError naming the field and the limit. They live in tfserve.inputs, which the scheduler
 imports too, and are re-exported here.
@@ -20,6 +30,7 @@ import numpy as np
 
 from tfserve.batch import generate
 from tfserve.generation import Backend, DecodingOptions, Hypothesis
+from tfserve.generation_defaults import GenerationDefaults
 from tfserve.inputs import (
     DEFAULT_MAX_TEXTS,
     ENCODER_CALL_TOKENS,
@@ -33,6 +44,21 @@ from tfserve.inputs import (
 )
 from tfserve.scheduler.config import SchedulerConfig
 from tfserve.tokenizer import Tokenizer
+from tfserve.translation_inputs import model_languages, request_options, source_ids
+
+
+def _per_text(value: Any, name: str, count: int) -> list[Any]:
+    """One value per text: the value for all, or a list with one per text."""
+    if value is None or isinstance(value, str):
+        return [value] * count
+    if not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be a string or a list of strings, got "
+                         f"{type(value).__name__}")
+    if len(value) != count:
+        raise ValueError(f"{name} holds {len(value)} items for {count} texts: give one, or "
+                         "one per text")
+    return list(value)
+
 
 # the input helpers are re-exported: the server and older callers import them from here
 __all__ = [
@@ -98,25 +124,40 @@ class Translator:
             artifacts_dir = default_artifacts()
         runtime = Runtime(artifacts_dir, device=device, intra_op_threads=intra_op_threads,
                           inter_op_threads=inter_op_threads, optimization=optimization)
-        self._setup(runtime, runtime.tokenizer, max_batch_size)
+        self._setup(runtime, runtime.tokenizer, max_batch_size,
+                    runtime.manifest.generation_defaults)
         self.runtime = runtime
 
     @classmethod
     def from_backend(cls, backend: Backend, tokenizer: Tokenizer,
-                     max_batch_size: int = SchedulerConfig.max_batch_size) -> Translator:
+                     max_batch_size: int = SchedulerConfig.max_batch_size,
+                     generation_defaults: GenerationDefaults | None = None) -> Translator:
         """Wrap another backend (e.g. tfserve.eager.EagerBackend) behind the same API."""
         translator = cls.__new__(cls)
-        translator._setup(backend, tokenizer, max_batch_size)
+        translator._setup(backend, tokenizer, max_batch_size,
+                          generation_defaults or GenerationDefaults())
         translator.runtime = None
         return translator
 
-    def _setup(self, backend: Backend, tokenizer: Tokenizer, max_batch_size: int) -> None:
+    def _setup(self, backend: Backend, tokenizer: Tokenizer, max_batch_size: int,
+               generation_defaults: GenerationDefaults) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.backend = backend
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_source_tokens = int(getattr(backend, "max_source_positions", 512))
+        self.generation_defaults = generation_defaults
+        config = getattr(backend, "config", None) or getattr(
+            getattr(backend, "model", None), "config", None)
+        # a model without language codes accepts its own languages (and no other)
+        self.model_languages = (getattr(config, "source_language", ""),
+                                getattr(config, "target_language", ""))
+
+    @property
+    def languages(self) -> list[str]:
+        """The language codes of a multilingual model (empty for others)."""
+        return model_languages(self.tokenizer)
 
     def _batches(self, sources: list[list[int]]) -> list[list[int]]:
         """Indices grouped into length-sorted batches, so rows in a batch need little padding."""
@@ -125,23 +166,78 @@ class Translator:
                                                                   self.max_batch_size)]
 
     def translate_hypotheses(self, texts: Sequence[str], options: DecodingOptions | None = None,
-                             truncate: bool = False, **overrides: Any) -> list[list[Translation]]:
-        """The n-best list (num_return_sequences entries) for each text, in input order."""
+                             truncate: bool = False, *,
+                             source_language: str | Sequence[str] | None = None,
+                             target_language: str | Sequence[str] | None = None,
+                             target_prefix: str | Sequence[str] | None = None,
+                             **overrides: Any) -> list[list[Translation]]:
+        """The n-best list (num_return_sequences entries) for each text, in input order.
+
+        source_language, target_language, target_prefix: one for all texts, or a list with
+        one per text (texts into different languages decode in one batch). A multilingual
+        model needs a target_language. options / overrides: the decoding options set; the
+        checkpoint's generation defaults fill the others (a DecodingOptions object sets
+        all of its fields).
+        """
         texts = check_texts(texts, max_texts=10**9)
-        opts = decoding_options(options, **overrides)
-        opts = opts.validate(max_new_tokens_limit=self.backend.max_target_positions - 1)
-        sources = tokenize_sources(self.tokenizer, texts, self.max_source_tokens, truncate)
+        given = self._given_options(options, overrides)
+        per_text = [_per_text(value, name, len(texts)) for name, value in (
+            ("source_language", source_language), ("target_language", target_language),
+            ("target_prefix", target_prefix))]
+        sources: list[list[int]] = []
+        per_source: list[DecodingOptions] = []
+        prepared: dict[tuple[Any, ...], DecodingOptions] = {}
+        limit = self.backend.max_target_positions - 1
+        for index, (text, source, target, prefix) in enumerate(zip(texts, *per_text)):
+            sources += self._source(text, index, source, truncate)
+            key = (target, prefix)
+            if key not in prepared:
+                prepared[key] = request_options(
+                    self.tokenizer, self.generation_defaults, given,
+                    self.backend.decoder_start_token_id, limit, target, prefix,
+                    self.backend.vocab_size, self.model_languages[1])
+            per_source.append(prepared[key])
         results: list[list[Hypothesis]] = [[] for _ in texts]
         for batch in self._batches(sources):
             input_ids, attention_mask = self.tokenizer.pad_batch([sources[i] for i in batch])
-            for index, hyps in zip(batch, generate(self.backend, input_ids, attention_mask, opts)):
+            outputs = generate(self.backend, input_ids, attention_mask,
+                               [per_source[i] for i in batch])
+            for index, hyps in zip(batch, outputs):
                 results[index] = hyps
         return [[Translation(self.tokenizer.decode(h.token_ids), h.token_ids, h.score)
                  for h in hyps] for hyps in results]
 
+    def _source(self, text: str, index: int, source_language: str | None,
+                truncate: bool) -> list[list[int]]:
+        """One text's source ids; errors name it texts[index]."""
+        try:
+            return source_ids(self.tokenizer, [text], source_language, self.max_source_tokens,
+                              truncate, self.model_languages[0])
+        except ValueError as exc:
+            message = str(exc)
+            if message.startswith("texts[0]"):
+                raise type(exc)(f"texts[{index}]{message[len('texts[0]'):]}") from exc
+            raise
+
+    def _given_options(self, options: DecodingOptions | None,
+                       overrides: dict[str, Any]) -> dict[str, Any]:
+        """The decoding option fields a call sets: every field of an options object, and
+        the keyword overrides."""
+        unknown = sorted(set(overrides) - set(DecodingOptions.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown decoding option(s): {', '.join(unknown)}")
+        given = {}
+        if options is not None:
+            given = {name: value for name, value in options.__dict__.items()
+                     if name not in ("prefix_token_ids", "prefix_counts_as_new")}
+            if given.get("max_new_tokens") is None:
+                del given["max_new_tokens"]
+        return {**given, **overrides}
+
     def translate(self, texts: Sequence[str], options: DecodingOptions | None = None,
                   truncate: bool = False, **overrides: Any) -> list[str]:
-        """The best translation of each text, in input order."""
+        """The best translation of each text, in input order (translate_hypotheses' keyword
+        arguments: source_language, target_language, target_prefix, options)."""
         return [hyps[0].text for hyps in
                 self.translate_hypotheses(texts, options, truncate, **overrides)]
 

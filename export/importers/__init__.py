@@ -7,7 +7,7 @@
 Every refusal is an `export.sources.SourceError` whose message names the file or the config
 field; the CLI prints it as one line and exits with code 2.
 
-Adding a family (BART, mBART, M2M100, NLLB, ...) is one module with a function
+Adding a family is one module with a function
 `load(directory: Path, config: dict) -> Source` and one `Importer` entry in `IMPORTERS`.
 Modules are imported only when their model type is asked for, so the registry itself is cheap.
 """
@@ -57,6 +57,24 @@ IMPORTERS: dict[str, Importer] = {
         architectures=("MT5ForConditionalGeneration",),
         module="export.importers.t5",
         description="mT5",
+    ),
+    "bart": Importer(
+        model_type="bart",
+        architectures=("BartForConditionalGeneration", "BartModel"),
+        module="export.importers.bart",
+        description="BART, distilbart",
+    ),
+    "mbart": Importer(
+        model_type="mbart",
+        architectures=("MBartForConditionalGeneration", "MBartModel"),
+        module="export.importers.mbart",
+        description="mBART-50, mBART-cc25",
+    ),
+    "m2m_100": Importer(
+        model_type="m2m_100",
+        architectures=("M2M100ForConditionalGeneration", "M2M100Model"),
+        module="export.importers.m2m_100",
+        description="M2M100, NLLB-200",
     ),
 }
 

@@ -24,6 +24,19 @@ TORCH_FILE = "pytorch_model.bin"
 TORCH_INDEX = "pytorch_model.bin.index.json"
 
 
+def checkpoint_name(directory: Path) -> str:
+    """The model's name: the directory's, or "ORG/NAME" for a Hugging Face cache snapshot
+    (`.../models--ORG--NAME/snapshots/HASH`, what huggingface_hub downloads to), whose own
+    name is a commit hash."""
+    resolved = directory.absolute()
+    parts = resolved.parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        repo = parts[-3][len("models--"):].split("--")
+        if all(repo):
+            return "/".join(repo)
+    return directory.resolve().name
+
+
 def read_json(path: Path, what: str) -> Any:
     """The JSON in `path`; SourceError naming it (and `what` it is) when missing or bad."""
     if not path.is_file():

@@ -199,25 +199,46 @@ class DecoderLayer(nn.Module):
 
 
 class Embeddings(nn.Module):
-    """Token embedding * scale + absolute positions (for sinusoidal / learned positions)."""
+    """Token embedding * scale + absolute positions (for sinusoidal / learned positions),
+    then the embedding LayerNorm where the config has one (BART, mBART).
+
+    Position p reads row p + position_offset of the table. With position_padding (M2M100,
+    NLLB) a pad token reads row pad_token_id instead, which is all zeros.
+    """
 
     def __init__(self, cfg: ModelConfig, tokens: nn.Embedding, max_positions: int) -> None:
         super().__init__()
         self.tokens = tokens
         self.scale = cfg.embed_scale
         self.kind = cfg.positions
+        self.offset = cfg.position_offset
+        self.pad_token_id = cfg.pad_token_id if cfg.position_padding else None
+        rows = max_positions + cfg.position_offset
         if cfg.positions == "sinusoidal":
-            table = sinusoidal_table(max_positions, cfg.d_model, cfg.sinusoidal_layout)
+            table = sinusoidal_table(rows, cfg.d_model, cfg.sinusoidal_layout)
+            if self.pad_token_id is not None:
+                table[self.pad_token_id] = 0.0
             # derived from the config, so not stored in checkpoints
             self.register_buffer("position_table", table, persistent=False)  # [N,D]
         elif cfg.positions == "learned":
-            self.position_embedding = nn.Embedding(max_positions, cfg.d_model)
+            self.position_embedding = nn.Embedding(rows, cfg.d_model)
+        self.norm = make_norm(cfg) if cfg.embedding_norm else None
         self.dropout = nn.Dropout(cfg.dropout)
+
+    def table_rows(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The table row of each token [B,T]: its position + offset, the pad row for pads."""
+        rows = position_ids + self.offset if self.offset else position_ids
+        if self.pad_token_id is not None:
+            rows = torch.where(input_ids == self.pad_token_id, self.pad_token_id, rows)
+        return rows
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.tokens(input_ids) * self.scale  # [B,T,D]
         if self.kind == "sinusoidal":
-            x = x + F.embedding(position_ids, self.position_table).to(x.dtype)
+            rows = self.table_rows(input_ids, position_ids)
+            x = x + F.embedding(rows, self.position_table).to(x.dtype)
         elif self.kind == "learned":
-            x = x + self.position_embedding(position_ids)
+            x = x + self.position_embedding(self.table_rows(input_ids, position_ids))
+        if self.norm is not None:
+            x = self.norm(x)
         return self.dropout(x)

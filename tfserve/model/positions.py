@@ -17,7 +17,10 @@ def sinusoidal_table(num_positions: int, dim: int, layout: str = "interleaved") 
 
     `layout="half"` is Marian's variant: [sin of every frequency | cos of every frequency].
     Computed in float64 so both layouts are exact to fp32 rounding at long positions.
+    `layout="fairseq"` (M2M100, NLLB) is fairseq_table's.
     """
+    if layout == "fairseq":
+        return fairseq_table(num_positions, dim)
     positions = torch.arange(num_positions, dtype=torch.float64)[:, None]  # [N,1]
     inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # [dim/2]
     angles = positions * inv_freq[None, :]  # [N, dim/2]
@@ -31,6 +34,28 @@ def sinusoidal_table(num_positions: int, dim: int, layout: str = "interleaved") 
     else:
         raise ValueError(f"sinusoidal layout must be 'interleaved' or 'half', got {layout!r}")
     return table.float()
+
+
+def fairseq_table(num_positions: int, dim: int, padding_row: int | None = None
+                  ) -> torch.Tensor:
+    """fairseq's sinusoidal table (M2M100, NLLB): [sin | cos] halves at the frequencies
+    10000^(-i / (dim/2 - 1)), i = 0..dim/2-1 [num_positions, dim].
+
+    Computed in float32 with the very ops of fairseq and transformers
+    (M2M100SinusoidalPositionalEmbedding.get_embedding), so the table equals theirs bit for
+    bit: in float32 the angle pos * frequency is rounded, and a float64 table would differ
+    from the checkpoint's by up to ~1e-4 at position 1,000. padding_row: a row of zeros
+    (the pad tokens' position).
+    """
+    half = dim // 2
+    step = math.log(10000) / (half - 1)
+    frequencies = torch.exp(torch.arange(half, dtype=torch.int64).float() * -step)  # [dim/2]
+    angles = (torch.arange(num_positions, dtype=torch.int64).float().unsqueeze(1)
+              * frequencies.unsqueeze(0))  # [N, dim/2]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)  # [N, dim]
+    if padding_row is not None:
+        table[padding_row, :] = 0
+    return table
 
 
 def rotate_half(x: torch.Tensor, half: int) -> torch.Tensor:

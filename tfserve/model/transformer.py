@@ -92,6 +92,12 @@ class Seq2SeqTransformer(nn.Module):
         seq_len = input_ids.shape[1]
         position_ids = torch.arange(seq_len, device=input_ids.device)[None, :]  # [1,S]
         position_ids = position_ids.expand_as(input_ids)  # [B,S]
+        if self.config.position_padding:
+            # fairseq counts the non-pad tokens: a pad inside the text takes no position
+            # (Embeddings gives pads the zero row) and the tokens after it are numbered as
+            # if it were not there
+            counted = (input_ids != self.config.pad_token_id).long()  # [B,S]
+            position_ids = counted.cumsum(dim=1) - 1  # [B,S]
         x = self.encoder_embed(input_ids, position_ids)
         mask = attention_mask[:, None, None, :] == 0  # [B,1,1,S] keys that are padding
         position_bias = None

@@ -165,11 +165,16 @@ class Runtime:
             if not tables:
                 continue
             table, rows = min(tables, key=lambda item: item[1])
+            # position p reads row p + position_offset (BART's learned tables, M2M100's)
+            rows -= cfg.position_offset if cfg.positions in ("sinusoidal", "learned") else 0
             if limit > rows:
                 takes = (f"the encoder graph cannot take {limit} tokens" if graph == "encoder"
                          else f"the decoder graph cannot take position {limit - 1}")
+                offset = (f" after its {cfg.position_offset} offset rows"
+                          if cfg.position_offset else "")
                 raise ValueError(f"{where}: model.{field_name} is {limit}, but {takes}: "
-                                 f"{files[graph]}'s position table {table!r} has {rows} rows")
+                                 f"{files[graph]}'s position table {table!r} has {rows} rows"
+                                 f"{offset}")
         self._run_once(files)
 
     def _run_once(self, files: dict[str, str]) -> None:

@@ -1,0 +1,155 @@
+"""A checkpoint's own decoding settings (Hugging Face `generation_config.json`), used for
+every option a request leaves unset.
+
+`python -m export` records them in the manifest (`model.json` "generation"), from the
+checkpoint's config.json overlaid by its generation_config.json, as transformers builds its
+GenerationConfig. Every front end (Translator, server, CLI) merges a request's options with
+them here, in `GenerationDefaults.merge`, so that they mean the same everywhere:
+
+- num_beams, length_penalty, early_stopping -> the same fields, for beam search only: a
+  request that samples does not get them;
+- max_new_tokens -> max_new_tokens; else max_length -> max_new_tokens = max_length - 1 -
+  input prefix (transformers counts the start token and a given decoder input, a target
+  prefix, in max_length); min_length -> min_new_tokens likewise;
+- no_repeat_ngram_size, repetition_penalty -> the same fields;
+- forced_bos_token_id -> the first output token (`prefix_token_ids`); a multilingual
+  model's target language takes its place;
+- decoder_start_token_id -> the model's decoder start token (applied at export).
+
+Recorded but not applied (`GenerationDefaults.unapplied`): forced_eos_token_id (transformers
+makes eos the last token at max_length: tfserve's output then has one token more, before its
+end), early_stopping "never" (run as False), bad_words_ids other than the pad token (which
+tfserve never produces). Pure Python: part of the serving path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# the generation_config.json fields tfserve reads, with the type each must have
+HF_FIELDS: dict[str, tuple[type, ...]] = {
+    "num_beams": (int,),
+    "max_length": (int,),
+    "max_new_tokens": (int,),
+    "min_length": (int,),
+    "min_new_tokens": (int,),
+    "length_penalty": (int, float),
+    "early_stopping": (bool, str),
+    "no_repeat_ngram_size": (int,),
+    "repetition_penalty": (int, float),
+    "forced_bos_token_id": (int,),
+    "forced_eos_token_id": (int, list),
+    "decoder_start_token_id": (int,),
+    "bad_words_ids": (list,),
+}
+# DecodingOptions fields only beam search reads: not applied to a request that samples
+BEAM_FIELDS = ("num_beams", "length_penalty", "early_stopping")
+
+
+def from_hf_files(config: Mapping[str, Any], generation_config: Mapping[str, Any] | None
+                  ) -> dict[str, Any]:
+    """The fields of HF_FIELDS in config.json, overlaid by generation_config.json (as
+    transformers reads a checkpoint); None values (unset) left out."""
+    merged: dict[str, Any] = {}
+    for source in (config, generation_config or {}):
+        for key in HF_FIELDS:
+            if key in source:
+                merged[key] = source[key]
+    return {key: value for key, value in merged.items() if value is not None}
+
+
+@dataclass
+class GenerationDefaults:
+    """The checkpoint's generation settings (HF field names), checked."""
+
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fields, dict):
+            raise ValueError(f"generation must be a JSON object, got "
+                             f"{type(self.fields).__name__}")
+        for key, value in self.fields.items():
+            kinds = HF_FIELDS.get(key)
+            if kinds is None:
+                raise ValueError(f"generation.{key} is not a setting tfserve reads "
+                                 f"(known: {', '.join(HF_FIELDS)})")
+            if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+                raise ValueError(f"generation.{key} must be "
+                                 f"{' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+        stopping = self.fields.get("early_stopping")
+        if isinstance(stopping, str) and stopping != "never":
+            raise ValueError(f"generation.early_stopping must be true, false or \"never\", "
+                             f"got {stopping!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.fields)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> GenerationDefaults:
+        return cls(dict(data) if isinstance(data, dict) else data)
+
+    @property
+    def forced_bos_token_id(self) -> int | None:
+        return self.fields.get("forced_bos_token_id")
+
+    def unapplied(self, pad_token_id: int | None = None) -> list[str]:
+        """The recorded settings tfserve does not apply (module docstring)."""
+        left = []
+        if "forced_eos_token_id" in self.fields:
+            left.append("forced_eos_token_id")
+        if self.fields.get("early_stopping") == "never":
+            left.append("early_stopping")
+        banned = self.fields.get("bad_words_ids")
+        if banned and banned != [[pad_token_id]]:
+            left.append("bad_words_ids")
+        return left
+
+    def decoding_fields(self, input_prefix: int = 0, max_new_tokens_limit: int | None = None
+                        ) -> dict[str, Any]:
+        """The DecodingOptions fields these settings give (module docstring).
+
+        input_prefix: the tokens of a request's prefix that are decoder input rather than
+        new tokens (transformers counts them in max_length and min_length).
+        max_new_tokens_limit: the model's limit for that prefix; a default never exceeds it.
+        """
+        values = self.fields
+        out: dict[str, Any] = {}
+        for name in ("num_beams", "length_penalty", "no_repeat_ngram_size",
+                     "repetition_penalty"):
+            if name in values:
+                out[name] = values[name]
+        if "early_stopping" in values:
+            out["early_stopping"] = values["early_stopping"] is True
+        if "max_new_tokens" in values:
+            out["max_new_tokens"] = values["max_new_tokens"]
+        elif "max_length" in values:
+            out["max_new_tokens"] = values["max_length"] - 1 - input_prefix
+        if "max_new_tokens" in out:
+            limit = max_new_tokens_limit if max_new_tokens_limit is not None else \
+                out["max_new_tokens"]
+            out["max_new_tokens"] = max(1, min(out["max_new_tokens"], limit))
+        if "min_new_tokens" in values:
+            out["min_new_tokens"] = values["min_new_tokens"]
+        elif "min_length" in values:
+            out["min_new_tokens"] = values["min_length"] - 1 - input_prefix
+        if "min_new_tokens" in out:
+            ceiling = out.get("max_new_tokens", max_new_tokens_limit)
+            out["min_new_tokens"] = max(0, out["min_new_tokens"])
+            if ceiling is not None:
+                out["min_new_tokens"] = min(out["min_new_tokens"], ceiling)
+        return out
+
+    def merge(self, given: Mapping[str, Any], input_prefix: int = 0,
+              max_new_tokens_limit: int | None = None) -> dict[str, Any]:
+        """A request's DecodingOptions fields: those it gives (`given`, only the fields it
+        set), the checkpoint's for the others; beam settings not for a request that
+        samples."""
+        defaults = self.decoding_fields(input_prefix, max_new_tokens_limit)
+        if given.get("do_sample"):
+            defaults = {k: v for k, v in defaults.items() if k not in BEAM_FIELDS}
+        asked = given.get("max_new_tokens")
+        if isinstance(asked, int) and asked > 0 and "min_new_tokens" in defaults:
+            defaults["min_new_tokens"] = min(defaults["min_new_tokens"], asked)
+        return {**defaults, **given}

@@ -1,0 +1,132 @@
+"""SentencePiece pieces mapped through a vocab.json, with added tokens matched in the text:
+M2M100's tokenizer (`TokenizerSpec.kind` "spm-vocab"), which ships no tokenizer.json.
+
+transformers' M2M100Tokenizer (a Python tokenizer) encodes a text by
+1. splitting it on its added tokens (`<s>`, `<pad>`, `</s>`, `<unk>` and whatever its
+   tokenizer_config.json lists), the longest match first, each added token's `lstrip` /
+   `rstrip` removing the whitespace next to it;
+2. cutting every other piece of text with the SentencePiece model (`sp.encode(text,
+   out_type=str)`, which adds the word-boundary mark in front of each piece of text);
+3. mapping each SentencePiece piece through vocab.json (a piece missing from it is
+   `<unk>`); the language tokens `__xx__` sit after the vocabulary, in the order of its list
+   of language codes.
+Decoding drops the special tokens and joins the pieces with SentencePiece, stripped.
+`SpmVocabText` does the same; only numpy-free Python and sentencepiece are used.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sentencepiece as spm
+
+
+class SpmVocabError(ValueError):
+    """Bad files or settings of an spm-vocab tokenizer; the message names the file."""
+
+
+@dataclass(frozen=True)
+class AddedToken:
+    """A token matched in the text before SentencePiece sees it (transformers' AddedToken)."""
+
+    content: str
+    id: int
+    lstrip: bool = False  # remove the whitespace before it
+    rstrip: bool = False  # remove the whitespace after it
+    special: bool = True  # dropped from decoded text
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> AddedToken:
+        if not isinstance(data, dict) or not isinstance(data.get("content"), str) or \
+                not data["content"] or not isinstance(data.get("id"), int):
+            raise SpmVocabError(f"an added token must have a content string and an integer "
+                                f"id, got {data!r}")
+        return cls(data["content"], data["id"], bool(data.get("lstrip", False)),
+                   bool(data.get("rstrip", False)), bool(data.get("special", True)))
+
+
+class SpmVocabText:
+    """Text <-> ids as M2M100Tokenizer computes them (module docstring)."""
+
+    def __init__(self, spm_path: Path, vocab_path: Path, added: Sequence[AddedToken],
+                 unk_token_id: int) -> None:
+        if not spm_path.is_file():
+            raise SpmVocabError(f"SentencePiece model not found: {spm_path}")
+        self.processor = spm.SentencePieceProcessor()
+        try:
+            self.processor.LoadFromSerializedProto(spm_path.read_bytes())
+        except (RuntimeError, OSError) as exc:
+            raise SpmVocabError(f"cannot load SentencePiece model {spm_path}: {exc}") from exc
+        try:
+            vocab = json.loads(vocab_path.read_text(encoding="utf-8"))
+        except FileNotFoundError as exc:
+            raise SpmVocabError(f"vocab file not found: {vocab_path}") from exc
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SpmVocabError(f"cannot read vocab file {vocab_path}: {exc}") from exc
+        if not isinstance(vocab, dict) or not vocab or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for v in vocab.values()):
+            raise SpmVocabError(f"{vocab_path} must map pieces to integer ids >= 0")
+        self.piece_to_id: dict[str, int] = vocab
+        self.unk_id = unk_token_id
+        self.added = {token.content: token for token in added}
+        self.id_to_piece = {i: p for p, i in vocab.items()}
+        self.id_to_piece.update({token.id: token.content for token in added})
+        self.vocab_size = max(self.id_to_piece) + 1
+        self.special_ids = {token.id for token in added if token.special}
+        # the longest added token first at each position (transformers' Trie.split)
+        contents = sorted(self.added, key=len, reverse=True)
+        self.splitter = re.compile("|".join(re.escape(c) for c in contents)) if contents \
+            else None
+
+    def chunks(self, text: str) -> list[str]:
+        """The text split on added tokens, whitespace stripped where they ask for it."""
+        if self.splitter is None:
+            return [text]
+        parts: list[str] = []
+        position = 0
+        for match in self.splitter.finditer(text):
+            parts += [text[position:match.start()], match.group()]
+            position = match.end()
+        parts.append(text[position:])
+        for index, part in enumerate(parts):
+            token = self.added.get(part) if index % 2 else None
+            if token is None:
+                continue
+            if token.rstrip and index + 1 < len(parts):
+                parts[index + 1] = parts[index + 1].lstrip()
+            if token.lstrip and index > 0:
+                parts[index - 1] = parts[index - 1].rstrip()
+        return [part for part in parts if part]
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of a text, no special tokens added."""
+        ids: list[int] = []
+        for chunk in self.chunks(text):
+            token = self.added.get(chunk)
+            if token is not None:
+                ids.append(token.id)
+                continue
+            for piece in self.processor.EncodeAsPieces(chunk):
+                added = self.added.get(piece)
+                ids.append(added.id if added is not None
+                           else self.piece_to_id.get(piece, self.unk_id))
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ids whose special tokens are already removed (ids without a piece
+        have no text)."""
+        pieces = [self.id_to_piece[i] for i in ids if i in self.id_to_piece]
+        return self.processor.DecodePieces(pieces).strip()
+
+    def token_to_id(self, token: str) -> int | None:
+        added = self.added.get(token)
+        return added.id if added is not None else self.piece_to_id.get(token)
