@@ -296,7 +296,7 @@ def test_unknown_routes_and_wrong_methods_answer_json(server: ServerThread) -> N
         assert answer.status == 405, (method, path)
         assert answer.headers["Allow"] == allowed
         code, text = answer.error()
-        assert code == "NOT_FOUND" and "method not allowed" in text
+        assert code == "UNIMPLEMENTED" and "method not allowed" in text
 
 
 def test_size_limits(random_model: Path, runtime: Any) -> None:
@@ -557,8 +557,12 @@ def test_openapi_documents_every_route(server: ServerThread) -> None:
     assert documented == routes - static
     assert ("POST", "/v1/translate:stream") in documented
     schemas = document["components"]["schemas"]
-    assert {"texts", "tokenIds", "options", "requestId", "truncate"} == set(
+    assert {"texts", "tokenIds", "options", "requestId", "truncate", "model"} <= set(
         schemas["TranslateRequest"]["properties"])
+    assert {field.json_name for field in pb2.TranslateRequest.DESCRIPTOR.fields} == set(
+        schemas["TranslateRequest"]["properties"])
+    assert schemas["ModelStatus"]["properties"]["state"]["enum"][1] == "MODEL_STATE_UNLOADED"
+    assert document["paths"]["/v1/models/{name}"]["get"]["parameters"][0]["in"] == "path"
     assert schemas["Hypothesis"]["properties"]["tokenIds"]["items"]["type"] == "string"
     text = json.dumps(document)
     for reference in set(part.split('"')[0] for part in text.split("#/components/schemas/")[1:]):

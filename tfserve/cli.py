@@ -3,6 +3,8 @@
     tfserve translate "three hundred and forty-two" "seven"        # the bundled demo
     tfserve translate --model artifacts/opus-mt-en-de --beams 4 "Hello."
     tfserve translate --server localhost:50051 "twelve"            # a running server
+    tfserve translate --server localhost:50051 --model-name en-fr "twelve"   # one of its models
+    tfserve models --server localhost:50051                         # the models it serves
     tfserve encode --pooling mean "twelve"
     tfserve serve --model DIR --port 50051                          # see serve --help
     tfserve bench                                                   # offline benchmark
@@ -108,6 +110,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     tr.add_argument("--server", default=None, metavar="HOST:PORT",
                     help="send the texts to a running tfserve server instead of loading "
                     "--model")
+    add_model_name_arg(tr)
     tr.add_argument("--eager", action="store_true",
                     help="run the PyTorch checkpoint (--checkpoint) instead of ONNX Runtime")
     tr.add_argument("--checkpoint", type=Path, default=None,
@@ -129,12 +132,32 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     enc.add_argument("--server", default=None, metavar="HOST:PORT",
                      help="send the texts to a running tfserve server instead of loading "
                      "--model")
+    add_model_name_arg(enc)
+
+    models = sub.add_parser("models", help="the models a running server serves (JSON lines)",
+                            description="List the models of a running server's repository: "
+                            "one JSON object per model (name, state, version, languages, ...).")
+    add_version(models, __version__)
+    models.add_argument("--server", required=True, metavar="HOST:PORT",
+                        help="the tfserve server to ask")
 
     sub.add_parser("serve", help=f"run the server, gRPC and HTTP (see `{prog} serve --help`)",
                    add_help=False)
     sub.add_parser("bench", help=f"offline benchmark, or with --server a load test of a "
                    f"running server (see `{prog} bench --help`)", add_help=False)
     return parser
+
+
+def add_model_name_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-name", default="", metavar="NAME",
+                        help="with --server: the server's model to use, one of those `models` "
+                        "lists (default: the server's default model)")
+
+
+def check_model_name(args: argparse.Namespace) -> None:
+    if args.model_name and not args.server:
+        raise ValueError("--model-name needs --server: it names one of a server's models "
+                         "(without a server, --model is the artifacts directory)")
 
 
 def read_texts(args: argparse.Namespace) -> list[str]:
@@ -174,6 +197,7 @@ def print_translations(args: argparse.Namespace, texts: Sequence[str],
 
 
 def cmd_translate(args: argparse.Namespace) -> None:
+    check_model_name(args)
     texts = read_texts(args)
     kwargs = decoding_kwargs(args)
     if args.server:
@@ -181,7 +205,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
         with Client(args.server) as client:
             results = run_non_blank(texts, lambda batch: client.translate_hypotheses(
-                batch, truncate=args.truncate, **kwargs))
+                batch, truncate=args.truncate, model=args.model_name, **kwargs))
         print_translations(args, texts, results)
         return
     from tfserve.translator import Translator
@@ -203,13 +227,15 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
 
 def cmd_encode(args: argparse.Namespace) -> None:
+    check_model_name(args)
     texts = read_texts(args)
     if args.server:
         from tfserve.client import Client
 
         with Client(args.server) as client:
             encodings = run_non_blank(texts, lambda batch: client.encode(
-                batch, pooling=args.pooling, per_token=args.per_token, truncate=args.truncate))
+                batch, pooling=args.pooling, per_token=args.per_token, truncate=args.truncate,
+                model=args.model_name))
     else:
         from tfserve.translator import Translator
 
@@ -223,6 +249,17 @@ def cmd_encode(args: argparse.Namespace) -> None:
             record["hidden_states"] = None if e is None else [
                 [round(float(x), 6) for x in row] for row in e.hidden_states]
         print(json.dumps(record, ensure_ascii=False))
+
+
+def cmd_models(args: argparse.Namespace) -> None:
+    from dataclasses import asdict
+
+    from tfserve.client import Client
+
+    with Client(args.server) as client:
+        entries = client.list_models()
+    for entry in entries:
+        print(json.dumps(asdict(entry), ensure_ascii=False))
 
 
 def failure_exit_code(exc: BaseException) -> int:
@@ -266,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(EXIT_USAGE, f"{prog} {args.command}: error: unrecognized arguments: "
                     f"{' '.join(unknown)} (see {prog} {args.command} --help)\n")
     try:
-        {"translate": cmd_translate, "encode": cmd_encode}[args.command](args)
+        {"translate": cmd_translate, "encode": cmd_encode,
+         "models": cmd_models}[args.command](args)
         sys.stdout.flush()  # a closed pipe must fail here, inside the try, not at exit
     except BrokenPipeError:  # the reader went away (`| head -1`): stop quietly, as cat does
         _quiet_stdout()

@@ -7,6 +7,8 @@
         for chunk in client.translate_stream(["twenty-one"]):
             print(chunk.text_delta, end="")
         client.encode(["seven"], pooling="mean", per_token=True)
+        client.list_models()                                         # a repository's models
+        client.translate(["seven"], model="en-fr")                   # one of them
 
 Decoding options are the keyword arguments of `tfserve.generation.DecodingOptions`; the
 server validates them. A failed call raises `ServerError` (a RuntimeError and a grpc.RpcError)
@@ -78,21 +80,50 @@ def options_message(**options: Any) -> Any:
 
 def translate_request(texts: Sequence[str] | None = None, *, token_ids: Sequence[Sequence[int]]
                       | None = None, truncate: bool = False, request_id: str = "",
-                      **options: Any) -> Any:
+                      model: str = "", **options: Any) -> Any:
+    """A TranslateRequest; `model` names one of the server's models ("": its default)."""
     if isinstance(texts, str):
         raise ValueError("texts must be a list of strings, not one string")
     return pb2.TranslateRequest(
         texts=list(texts or []),
         token_ids=[pb2.TokenIds(ids=list(ids)) for ids in token_ids or []],
-        options=options_message(**options), truncate=truncate, request_id=request_id)
+        options=options_message(**options), truncate=truncate, request_id=request_id,
+        model=model)
 
 
 def encode_request(texts: Sequence[str], pooling: str = "mean", per_token: bool = False,
-                   truncate: bool = False, request_id: str = "") -> Any:
+                   truncate: bool = False, request_id: str = "", model: str = "") -> Any:
     if isinstance(texts, str):
         raise ValueError("texts must be a list of strings, not one string")
     return pb2.EncodeRequest(texts=list(texts), pooling=pooling, return_hidden_states=per_token,
-                             truncate=truncate, request_id=request_id)
+                             truncate=truncate, request_id=request_id, model=model)
+
+
+@dataclass
+class ModelEntry:
+    """One model of the server's repository (ListModels): `state` is unloaded, loading,
+    loaded or failed."""
+
+    name: str
+    state: str
+    version: str
+    loaded_version: str
+    model_name: str
+    source_language: str
+    target_language: str
+    memory_bytes: int
+    in_flight: int
+    last_error: str
+    is_default: bool
+
+
+def _model_entries(response: Any) -> list[ModelEntry]:
+    return [ModelEntry(
+        name=m.name, state=pb2.ModelState.Name(m.state).removeprefix("MODEL_STATE_").lower(),
+        version=m.version, loaded_version=m.loaded_version, model_name=m.model_name,
+        source_language=m.source_language, target_language=m.target_language,
+        memory_bytes=m.memory_bytes, in_flight=m.in_flight, last_error=m.last_error,
+        is_default=m.is_default) for m in response.models]
 
 
 def _translation(hypothesis: Any) -> Translation:
@@ -208,14 +239,21 @@ class Client(_Base):
 
     def encode(self, texts: Sequence[str], pooling: str = "mean", per_token: bool = False,
                truncate: bool = False, *, timeout: float | None = None,
-               request_id: str = "") -> list[Encoding]:
+               request_id: str = "", model: str = "") -> list[Encoding]:
         """Pooled embedding (and, with per_token, hidden states [len,D]) per text."""
-        request = encode_request(texts, pooling, per_token, truncate, request_id)
+        request = encode_request(texts, pooling, per_token, truncate, request_id, model)
         return _encodings(self._call(self.stub.Encode, request, timeout))
 
-    def model_info(self, timeout: float | None = None) -> Any:
-        """The server's ModelInfo message."""
-        return self._call(self.stub.GetModelInfo, pb2.GetModelInfoRequest(), timeout)
+    def model_info(self, timeout: float | None = None, model: str = "") -> Any:
+        """The ModelInfo message of `model` (the server loads it if need be; "": the
+        default model)."""
+        return self._call(self.stub.GetModelInfo, pb2.GetModelInfoRequest(model=model),
+                          timeout)
+
+    def list_models(self, timeout: float | None = None) -> list[ModelEntry]:
+        """Every model of the server's repository, loaded or not."""
+        return _model_entries(self._call(self.stub.ListModels, pb2.ListModelsRequest(),
+                                         timeout))
 
     def health(self, service: str = "", timeout: float | None = None) -> str:
         """'SERVING', 'NOT_SERVING', ... for the whole server ("") or a service name."""
@@ -282,12 +320,17 @@ class AsyncClient(_Base):
 
     async def encode(self, texts: Sequence[str], pooling: str = "mean", per_token: bool = False,
                      truncate: bool = False, *, timeout: float | None = None,
-                     request_id: str = "") -> list[Encoding]:
-        request = encode_request(texts, pooling, per_token, truncate, request_id)
+                     request_id: str = "", model: str = "") -> list[Encoding]:
+        request = encode_request(texts, pooling, per_token, truncate, request_id, model)
         return _encodings(await self._call(self.stub.Encode, request, timeout))
 
-    async def model_info(self, timeout: float | None = None) -> Any:
-        return await self._call(self.stub.GetModelInfo, pb2.GetModelInfoRequest(), timeout)
+    async def model_info(self, timeout: float | None = None, model: str = "") -> Any:
+        return await self._call(self.stub.GetModelInfo, pb2.GetModelInfoRequest(model=model),
+                                timeout)
+
+    async def list_models(self, timeout: float | None = None) -> list[ModelEntry]:
+        return _model_entries(await self._call(self.stub.ListModels, pb2.ListModelsRequest(),
+                                               timeout))
 
     async def health(self, service: str = "", timeout: float | None = None) -> str:
         response = await self._call(self.health_stub.Check,

@@ -11,8 +11,8 @@ Layers, each importing only the ones below it:
     -> tfserve.runtime                      (the ONNX Runtime graphs)
 
 `main` parses the settings and starts one server process, or `--workers N` of them
-(tfserve.workers); `run_server` loads the model and serves until SIGTERM / SIGINT; `serve`
-is the same on a running event loop.
+(tfserve.workers); `run_server` builds the server (tracing set up first, then the models
+loaded) and serves until SIGTERM / SIGINT; `serve` is the same on a running event loop.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Any
 from tfserve.argparsing import EXIT_USAGE
 from tfserve.logs import setup_logging
 from tfserve.process import event_loop_runner, keep_freed_memory
-from tfserve.serving.core import load_runtime
 from tfserve.serving.frontends import TranslatorServer
 from tfserve.settings import ServerConfig, parse_config
 
@@ -35,10 +34,13 @@ log = logging.getLogger("tfserve.server")
 
 
 async def serve(config: ServerConfig, runtime: Any | None = None, worker: int | None = None,
-                on_serving: Callable[[], None] | None = None) -> int:
+                on_serving: Callable[[], None] | None = None,
+                server: TranslatorServer | None = None) -> int:
     """Run until SIGTERM / SIGINT, then drain; returns the exit code. on_serving is called
-    once the server listens (a worker tells its parent that it started)."""
-    server = TranslatorServer(config, runtime, worker=worker)
+    once the server listens (a worker tells its parent that it started); `server`: one
+    already built (else it is built here, with `runtime` as its model when given)."""
+    if server is None:
+        server = TranslatorServer(config, runtime, worker=worker)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before start: a signal then still drains
@@ -73,12 +75,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_server(config: ServerConfig, worker: int | None = None,
                on_serving: Callable[[], None] | None = None) -> int:
-    """Load the model and serve in this process until stopped; returns the exit code."""
+    """Load the models and serve in this process until stopped; returns the exit code."""
     keep_freed_memory()
     try:
         run = event_loop_runner(config.event_loop)
-        runtime = load_runtime(config)
-        return run(serve(config, runtime, worker, on_serving))
+        # before any event loop runs: tracing checked, then the models loaded (--load eager)
+        server = TranslatorServer(config, worker=worker)
+        return run(serve(config, worker=worker, on_serving=on_serving, server=server))
     except (ValueError, RuntimeError, OSError) as exc:
         log.error("cannot serve: %s", exc)
         return EXIT_USAGE

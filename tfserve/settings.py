@@ -26,6 +26,7 @@ from tfserve.version import __version__
 
 ENV_PREFIX = "TFSERVE_"
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+LOAD_POLICIES = ("eager", "lazy")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,25 @@ _MODEL, _DEVICE, _THREADS = MODEL_SETTINGS
 # every server setting, in the order of `serve --help`
 SERVER_SETTINGS: tuple[Setting, ...] = (
     _MODEL,
+    Setting("model_repository", Path, None, "serve a directory of models: each subdirectory "
+            "holding an exported model (its model.json) is a model named after the "
+            "subdirectory, chosen per request by its `model` field; exclusive with --model "
+            "(docs/server.md, Model repository)"),
+    Setting("default_model", str, "", "the model a request with an empty `model` gets "
+            "(empty: the only model, when there is one)"),
+    Setting("load", str, "eager", "eager: load the repository's models at start (as many as "
+            "--max-loaded-models and --max-model-memory allow); lazy: load each on its first "
+            "request, which waits for it"),
+    Setting("max_loaded_models", int, 0, "models kept loaded at once; loading one more unloads "
+            "the least recently used model without requests in flight (0: no limit)",
+            (0, 100_000)),
+    Setting("max_model_memory", int, 0, "bytes of models kept loaded at once, each counted for "
+            "the size of its artifact files; loading over it unloads the least recently used "
+            "models without requests in flight (0: no limit)", (0, 2**62)),
+    Setting("repository_poll_seconds", float, 0.0, "rescan --model-repository this often: a new "
+            "subdirectory becomes servable, a removed one drains and unloads, a new version "
+            "(a changed model.json or file) is loaded beside the old one and swapped in once "
+            "ready (0: never)", (0, 86_400)),
     Setting("host", str, "0.0.0.0", "address to listen on"),
     Setting("port", int, 50051, "gRPC port (0: pick a free one, logged at startup)", (0, 65535)),
     Setting("metrics_port", int, 9090, "Prometheus /metrics HTTP port (0 disables)",
@@ -189,6 +209,15 @@ class ServerConfig:
                 if port and port == same:
                     raise ValueError(f"{flag} and {other} are both {port}: each needs a port "
                                      "of its own")
+        if self.model is not None and self.model_repository is not None:
+            raise ValueError("--model and --model-repository are mutually exclusive: give one "
+                             "(--model DIR serves one model, --model-repository DIR a "
+                             "directory of them)")
+        if self.load not in LOAD_POLICIES:
+            raise ValueError(f"--load must be one of {', '.join(LOAD_POLICIES)}, "
+                             f"got {self.load!r}")
+        if self.repository_poll_seconds and self.model_repository is None:
+            raise ValueError("--repository-poll-seconds needs --model-repository")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key must be given together")
         if self.tls_client_ca is not None and self.tls_cert is None:

@@ -3,7 +3,9 @@
 Why: one server process runs its event loop (gRPC in Python) and its decoding loop under one
 interpreter lock, so on a small model it stops scaling long before the cores are busy
 (docs/benchmarks.md: the demo at 32 clients used 1.3 of 2 cores). N workers are N complete
-servers (model copy, scheduler, batch, gRPC, HTTP, health, metrics), so N locks.
+servers (model copy, scheduler, batch, gRPC, HTTP, health, metrics), so N locks. With
+`--model-repository`, each worker serves the whole repository: its own copy of every loaded
+model, and its own loads, unloads and rescans.
 
 How:
 - The parent checks that the port is free (or picks one for `--port 0`) and keeps it reserved
@@ -192,7 +194,8 @@ class _Workers:
 
 def run_workers(config: ServerConfig) -> int:
     """Start config.workers server processes on one port and supervise them; the exit code."""
-    if config.model is None:  # export the bundled demo once here, not once per worker
+    if config.model is None and config.model_repository is None:
+        # export the bundled demo once here, not once per worker
         from tfserve.demo import default_artifacts
 
         try:

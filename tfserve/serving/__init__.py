@@ -9,7 +9,10 @@
     messages    the tfserve.v1 messages <-> plain requests and results, and their JSON
                 mapping: one schema for every transport
     model_info  the model and the server's limits (the tfserve.v1 ModelInfo message)
-    core        ServingCore: config, runtime, scheduler, metrics, calls; start and drain
+    model_scan  a model repository directory: one Entry per model (name, version, memory)
+    repository  ModelRepository: the models served, each loaded one (LoadedModel) with its
+                own scheduler; choosing, loading, unloading (LRU), rescanning, swapping
+    core        ServingCore: config, models, metrics, calls; start and drain
 
 The front ends build on it: gRPC (`grpc_api`: the servicer, Status -> grpc.StatusCode;
 `grpc_server`: the grpc.aio server, TLS, auth, health, reflection) and HTTP/JSON
@@ -23,6 +26,7 @@ from tfserve.serving.calls import REQUEST_ID_KEY, Call, Calls
 from tfserve.serving.core import ServingCore, load_runtime
 from tfserve.serving.messages import from_json, to_json
 from tfserve.serving.model_info import Limits, ModelInfo, ParitySummary
+from tfserve.serving.repository import LoadedModel, ModelRepository, ModelStatus
 from tfserve.serving.requests import (
     EncodeInput,
     OptionFields,
@@ -34,6 +38,9 @@ from tfserve.serving.requests import (
 from tfserve.serving.status import (
     Draining,
     InvalidArgument,
+    ModelCapacity,
+    ModelLoadFailed,
+    ModelNotFound,
     ResponseTooLarge,
     Status,
     status_for,
@@ -49,7 +56,13 @@ __all__ = [
     "EncodeInput",
     "InvalidArgument",
     "Limits",
+    "LoadedModel",
+    "ModelCapacity",
     "ModelInfo",
+    "ModelLoadFailed",
+    "ModelNotFound",
+    "ModelRepository",
+    "ModelStatus",
     "OptionFields",
     "ParitySummary",
     "ResponseTooLarge",

@@ -1,12 +1,14 @@
 """Per-call bookkeeping, whatever the transport.
 
 `Calls` is the server's side: how many calls are in flight (the drain waits for none), whether
-new ones are still taken, the per-(rpc, status) metrics, the tracing (None: off). `Call` is
-one of them: its request id, its deadline, the job it waits on, its span when tracing is on,
-and at its end one metrics update (time to first token, input tokens), one access-log record
-and the span's end. The front end supplies what only it knows (the peer, the id sent in
-metadata or a header, the time left before the client's deadline, the metadata or headers
-that carry the trace context) and answers the status `Call.failed` returns in its own way.
+new ones are still taken, the per-(rpc, status) metrics (per model too, in a model
+repository), the tracing (None: off). `Call` is one of them: its request id, its deadline,
+the model it uses (counted in that model's requests in flight until the call ends), the job
+it waits on, its span when tracing is on, and at its end one metrics update (time to first
+token, input tokens), one access-log record and the span's end. The front end supplies what
+only it knows (the peer, the id sent in metadata or a header, the time left before the
+client's deadline, the metadata or headers that carry the trace context) and answers the
+status `Call.failed` returns in its own way.
 
 Everything here runs on the event loop's thread; job results arrive from the scheduler's
 worker thread through `call_soon_threadsafe`.
@@ -19,8 +21,8 @@ import concurrent.futures
 import logging
 import time
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from tfserve.metrics import Metrics
 from tfserve.scheduler import Cancelled, Job, ModelError
@@ -32,7 +34,15 @@ from tfserve.serving.status import (
     Status,
     status_for,
 )
-from tfserve.serving.tracing import SERVICE, CallSpan, Tracing  # opentelemetry only when on
+from tfserve.serving.tracing import (  # opentelemetry only when on
+    SERVICE,
+    CallSpan,
+    Tracing,
+    grpc_span_error,
+)
+
+if TYPE_CHECKING:
+    from tfserve.serving.repository import LoadedModel
 
 REQUEST_ID_KEY = "x-request-id"  # the metadata key (or HTTP header) that carries the id
 # how a call that its client ended shows up: the handler's task is cancelled, or the
@@ -45,32 +55,41 @@ access_log = logging.getLogger("tfserve.access")
 
 class Calls:
     """The server's calls: in-flight count and idle event, draining flag, RPC metrics, and
-    the tracing of their spans (tfserve.serving.tracing; None: off)."""
+    the tracing of their spans (tfserve.serving.tracing; None: off). `release(model)` is
+    called when a call that used a model ends (ModelRepository.release)."""
 
     def __init__(self, metrics: Metrics, max_message_bytes: int,
-                 tracing: Tracing | None = None) -> None:
+                 tracing: Tracing | None = None,
+                 release: Callable[[LoadedModel], None] | None = None) -> None:
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.tracing = tracing
+        self.release = release
         self.draining = False
         self.in_flight = 0
         self.idle = asyncio.Event()  # set while no call is in flight
         self.idle.set()
-        self._rpc_metrics: dict[tuple[str, Status], tuple[Any, Any]] = {}
-        self._token_metrics: dict[str, tuple[Any, Any]] = {}
-        self._first_token_metrics: dict[str, Any] = {}
+        # labelled children, looked up once per (model, rpc, status); `model` is "" on a
+        # server whose series have no model label (and for calls that used no model)
+        self._rpc_metrics: dict[tuple[str, str, Status], tuple[Any, Any]] = {}
+        self._token_metrics: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._first_token_metrics: dict[tuple[str, str], Any] = {}
+
+    def _labels(self, model: str, *labels: str) -> tuple[str, ...]:
+        """The label values of a per-request series: the model first on a by_model server."""
+        return (model, *labels) if self.metrics.by_model else labels
 
     def started(self) -> None:
         self.in_flight += 1
         self.metrics.in_flight.inc()
         self.idle.clear()
 
-    def finished(self, rpc: str, status: Status, seconds: float) -> None:
-        metrics = self._rpc_metrics.get((rpc, status))
-        if metrics is None:  # labelled children, looked up once per (rpc, status)
-            metrics = self._rpc_metrics[(rpc, status)] = (
-                self.metrics.requests.labels(rpc, status.name),
-                self.metrics.request_seconds.labels(rpc))
+    def finished(self, rpc: str, status: Status, seconds: float, model: str = "") -> None:
+        metrics = self._rpc_metrics.get((model, rpc, status))
+        if metrics is None:
+            metrics = self._rpc_metrics[(model, rpc, status)] = (
+                self.metrics.requests.labels(*self._labels(model, rpc, status.name)),
+                self.metrics.request_seconds.labels(*self._labels(model, rpc)))
         metrics[0].inc()
         metrics[1].observe(seconds)
         self.in_flight -= 1
@@ -78,33 +97,35 @@ class Calls:
         if self.in_flight == 0:
             self.idle.set()
 
-    def job_finished(self, rpc: str, job: Job, arrived: float) -> None:
+    def job_finished(self, rpc: str, job: Job, arrived: float, model: str = "") -> None:
         """The token metrics of a call's job: its input tokens and, when it decided one, its
         time to first token from the call's arrival (time.perf_counter() seconds).
 
         A stream's first token is the first the scheduler handed to its stream (a beam search
         streams nothing before it ends); a unary call's, the first one decided.
         """
-        metrics = self._token_metrics.get(rpc)
-        if metrics is None:  # labelled children, looked up once per rpc
-            metrics = self._token_metrics[rpc] = (
-                self.metrics.input_tokens.labels(rpc),
-                self.metrics.request_input_tokens.labels(rpc))
+        metrics = self._token_metrics.get((model, rpc))
+        if metrics is None:
+            labels = self._labels(model, rpc)
+            metrics = self._token_metrics[(model, rpc)] = (
+                self.metrics.input_tokens.labels(*labels),
+                self.metrics.request_input_tokens.labels(*labels))
         metrics[0].inc(job.input_tokens)
         metrics[1].observe(job.input_tokens)
         times = job.times
         first = times.first_event if job.on_event is not None else times.first_token
         if first is not None:
             # created at an rpc's first token: Encode shows no empty histogram
-            ttft = self._first_token_metrics.get(rpc)
+            ttft = self._first_token_metrics.get((model, rpc))
             if ttft is None:
-                ttft = self._first_token_metrics[rpc] = (
-                    self.metrics.time_to_first_token.labels(rpc))
+                ttft = self._first_token_metrics[(model, rpc)] = (
+                    self.metrics.time_to_first_token.labels(*self._labels(model, rpc)))
             ttft.observe(first - arrived)
 
 
 class Call:
-    """One call: request id, deadline, in-flight count, metrics, access log, error status."""
+    """One call: request id, deadline, in-flight count, the model it uses, metrics, access
+    log, error status."""
 
     def __init__(self, calls: Calls, rpc: str, given_id: str = "", peer: str = "",
                  time_remaining: float | None = None,
@@ -118,6 +139,8 @@ class Call:
         self.rpc = rpc
         self.started = time.perf_counter()
         self.job: Job | None = None
+        self.model: LoadedModel | None = None
+        self._model_name = ""  # the model's name, kept past its release for the span
         self.texts = 0
         self.peer = peer
         self.invalid = invalid  # raised by begin(): a message that did not parse, a bad id
@@ -143,6 +166,16 @@ class Call:
             raise Draining("the server is shutting down; retry on another replica")
         if self.invalid is not None:
             raise self.invalid
+
+    def use(self, model: LoadedModel) -> None:
+        """The call runs on `model` (counted in its requests in flight by the repository):
+        released when the call ends."""
+        self.model = model
+
+    def span_error(self, status: Status) -> bool:
+        """Whether a call that ends with `status` marks its span ERROR: OpenTelemetry's
+        rule for gRPC server spans (an HTTP call overrides it with the rule for HTTP)."""
+        return grpc_span_error(status)
 
     def check_size(self, size: int) -> None:
         """ResponseTooLarge when an answer of `size` bytes would be refused by the transport:
@@ -204,9 +237,14 @@ class Call:
     def finish(self, status: Status, details: str = "") -> None:
         """Count the call as ended with `status`, write its access-log record, end its span."""
         elapsed = time.perf_counter() - self.started
-        self.calls.finished(self.rpc, status, elapsed)
+        model = self.model
+        name = self._model_name = model.name if model is not None else ""
+        self.calls.finished(self.rpc, status, elapsed, name)
         if self.job is not None:
-            self.calls.job_finished(self.rpc, self.job, self.started)
+            self.calls.job_finished(self.rpc, self.job, self.started, name)
+        if model is not None and self.calls.release is not None:
+            self.model = None
+            self.calls.release(model)
         if self.span is not None:
             span, self.span = self.span, None
             self._end_span(span, status, details)
@@ -222,6 +260,8 @@ class Call:
             "total_ms": round(elapsed * 1000, 3),
             "peer": self.peer,
         }
+        if name:
+            record["model"] = name
         if details and status != Status.OK:
             record["error"] = details
         access_log.info("request", extra={"fields": record})
@@ -230,7 +270,8 @@ class Call:
         """End the call's span; tracing never fails a call."""
         assert self.calls.tracing is not None
         try:
-            self.calls.tracing.end(span, self.job, self.texts, status, details)
+            self.calls.tracing.end(span, self.job, self.texts, status, details,
+                                   self.span_error(status), self._model_name)
         except Exception:
             log.exception("%s %s: ending its trace span failed", self.rpc, self.request_id)
 

@@ -1,4 +1,5 @@
-"""The part of a server that does not depend on its transport: the model, the scheduler, the
+"""The part of a server that does not depend on its transport: the models (a
+tfserve.serving.repository.ModelRepository, each loaded model with its own scheduler), the
 metrics, the calls in flight, and the steps of starting and draining.
 
 A front end (tfserve.serving.grpc_server) owns one `ServingCore` and wraps its own listener
@@ -7,6 +8,10 @@ around these steps:
     start:  serve_metrics() -> bind the transport -> start() -> accept calls
     drain:  begin_drain() -> refuse new calls -> await wait_idle(grace) -> stop the
             transport -> await stop()
+
+A call names its model: `await core.model(name, call)` loads it when needed and counts the
+call in the model's requests in flight until the call ends (so that the model is not
+unloaded under it).
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from typing import Any
 
 from tfserve.metrics import Metrics
 from tfserve.scheduler import Scheduler
-from tfserve.serving.calls import Calls
+from tfserve.serving.calls import Call, Calls
 from tfserve.serving.model_info import ModelInfo, model_info
+from tfserve.serving.repository import LoadedModel, ModelRepository, ModelStatus
 from tfserve.serving.requests import Submitter
 from tfserve.serving.tracing import start_tracing
 from tfserve.settings import ServerConfig
@@ -39,28 +45,65 @@ def load_runtime(config: ServerConfig) -> Any:
 
 
 class ServingCore:
-    """Model + scheduler + metrics + calls, for any front end.
+    """Models + metrics + calls, for any front end.
 
     `runtime` is any object with Runtime's interface (Backend + .tokenizer, .config,
-    .manifest); None loads the one `config` names.
+    .manifest), served as the one model; None loads what `config` names (--model, the bundled
+    demo, or --model-repository). Tracing is set up first, before any model loads, so that a
+    missing OpenTelemetry fails the start at once.
     """
 
     def __init__(self, config: ServerConfig, runtime: Any | None = None,
                  metrics: Metrics | None = None) -> None:
         self.config = config.validate()
-        if runtime is None:
-            runtime = load_runtime(config)
-        self.runtime = runtime
-        limit = runtime.max_target_positions - 1
-        if config.default_max_new_tokens > limit:
-            raise ValueError(f"--default-max-new-tokens {config.default_max_new_tokens} is over "
-                             f"the model's limit of {limit} new tokens")
-        self.metrics = metrics or Metrics()
-        self.scheduler = Scheduler(runtime, config.scheduler_config(), self.metrics)
-        self.calls = Calls(self.metrics, config.max_message_bytes,
-                           start_tracing(config.otel_endpoint))
-        self.submitter = Submitter(runtime, self.config, self.scheduler)
+        tracing = start_tracing(config.otel_endpoint)
+        self.metrics = metrics or Metrics(by_model=config.model_repository is not None)
+        self.repository = ModelRepository.from_config(self.config, self.metrics, runtime)
+        self.repository.load_initial()
+        self.calls = Calls(self.metrics, config.max_message_bytes, tracing,
+                           self.repository.release)
         self.metrics_port = 0
+
+    # the default model's parts, while it is loaded (a one-model server's, for tests and
+    # tools); None otherwise
+    @property
+    def default_model(self) -> LoadedModel | None:
+        return self.repository.loaded()
+
+    @property
+    def runtime(self) -> Any:
+        model = self.default_model
+        return model.runtime if model is not None else None
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        model = self.default_model
+        return model.scheduler if model is not None else None
+
+    @property
+    def submitter(self) -> Submitter | None:
+        model = self.default_model
+        return model.submitter if model is not None else None
+
+    async def model(self, name: str, call: Call) -> LoadedModel:
+        """The model `name` names (empty: the default), loaded, counted in flight with the
+        call until it ends (Call.finish releases it). ModelNotFound, InvalidArgument (empty
+        and no default), ModelCapacity or ModelLoadFailed otherwise."""
+        model = await self.repository.acquire(name)
+        call.use(model)
+        return model
+
+    def model_info(self, model: LoadedModel | None = None) -> ModelInfo:
+        """The ModelInfo of `model` (default: the default model, which must be loaded)."""
+        model = model or self.default_model
+        if model is None:
+            raise LookupError("the default model is not loaded")
+        return model_info(model.runtime, self.config, model.scheduler.max_new_tokens_limit,
+                          model.name, model.version)
+
+    def list_models(self) -> tuple[list[ModelStatus], str]:
+        """Every model's status, and the default model's name ("" when there is none)."""
+        return self.repository.statuses(), self.repository.default_name
 
     def serve_metrics(self) -> None:
         """Open the metrics port (when there is one). First thing at start: a busy port then
@@ -72,14 +115,14 @@ class ServingCore:
                                                         config.metrics_bind_host())
 
     def start(self) -> None:
-        """Start the scheduler's worker; once the transport is bound, so that nothing needs
-        stopping when it cannot bind."""
-        self.scheduler.start()
+        """Start the models' workers and the repository's poller (on the event loop); once
+        the transport is bound, so that nothing needs stopping when it cannot bind."""
+        self.repository.start()
 
     def begin_drain(self) -> None:
         """Refuse new calls (Draining) and new scheduler work from now on."""
         self.calls.draining = True
-        self.scheduler.close()
+        self.repository.close_intake()
 
     async def wait_idle(self, grace: float) -> None:
         """Wait, for at most `grace` seconds, until no call is in flight."""
@@ -90,10 +133,11 @@ class ServingCore:
                         self.calls.in_flight)
 
     async def stop(self) -> None:
-        """Stop the scheduler's worker (joined off the loop) and the metrics port."""
-        await asyncio.to_thread(self.scheduler.stop)
+        """Stop the models' workers (joined off the loop) and the metrics port."""
+        await self.repository.stop()
         self.metrics.close()
         log.info("stopped", extra={"fields": {"event": "stopped"}})
 
-    def model_info(self) -> ModelInfo:
-        return model_info(self.runtime, self.config, self.scheduler.max_new_tokens_limit)
+    def stop_now(self) -> None:
+        """Stop the models' workers at once (a second signal during the drain)."""
+        self.repository.stop_now()

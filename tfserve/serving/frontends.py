@@ -29,8 +29,10 @@ class TranslatorServer:
     """ServingCore + gRPC + HTTP + metrics endpoint.
 
     `await start()` binds and serves; `await drain()` is the SIGTERM path. `runtime` is any
-    object with Runtime's interface (Backend + .tokenizer, .config, .manifest); `worker` is
-    the index of one of --workers processes (tfserve.workers), which share their ports.
+    object with Runtime's interface (Backend + .tokenizer, .config, .manifest), served as the
+    one model (None: what the config names); `worker` is the index of one of --workers
+    processes (tfserve.workers), which share their ports. Building it loads the models
+    (--load eager) before any event loop runs.
     """
 
     def __init__(self, config: ServerConfig, runtime: Any | None = None,
@@ -38,14 +40,23 @@ class TranslatorServer:
         self.core = ServingCore(config, runtime, metrics)
         self.config = self.core.config
         self.worker = worker
-        self.runtime = self.core.runtime
         self.metrics = self.core.metrics
-        self.scheduler = self.core.scheduler
+        self.repository = self.core.repository
         self.grpc = GrpcServer(self.core, shared_port=worker is not None)
         self.health = self.grpc.health
         self.http = (HttpServer(self.core, self.not_ready, shared_port=worker is not None)
                      if self.config.http_port else None)
         self.serving = False  # set once every listener serves; /readyz is 200 from then on
+
+    # the default model's runtime and scheduler while it is loaded (None otherwise): a
+    # one-model server's, for tests and tools
+    @property
+    def runtime(self) -> Any:
+        return self.core.runtime
+
+    @property
+    def scheduler(self) -> Any:
+        return self.core.scheduler
 
     # the core's state, read by the drain's log line and by tests
     @property
@@ -93,15 +104,19 @@ class TranslatorServer:
         self.core.start()
         await self.grpc.start()
         self.serving = True
+        default = self.core.default_model
         log.info("serving", extra={"fields": {
             "event": "serving", "host": config.host, "port": self.port,
             "http_port": self.http_port,
             **({} if self.worker is None else {"worker": self.worker, "pid": os.getpid()}),
-            "metrics_port": self.metrics_port, "model": self.runtime.config.name,
+            "metrics_port": self.metrics_port,
+            "model": default.runtime.config.name if default is not None else "",
+            "models": list(self.repository.slots),
+            "loaded": sorted(model.name for model in self.repository.resident),
             "tls": config.tls_cert is not None, "mutual_tls": config.tls_client_ca is not None,
             "auth": bool(config.auth_token),
             "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
-            **self.runtime.describe()}})
+            **({"device": config.device} if default is None else default.runtime.describe())}})
 
     async def drain(self, grace: float | None = None) -> None:
         """Not ready, reject new calls, let those in flight finish within grace, stop."""
@@ -124,7 +139,7 @@ class TranslatorServer:
         await self.grpc.stop(0)
         if self.http is not None:
             await self.http.stop()
-        self.scheduler.stop()
+        self.core.stop_now()
 
     async def wait_for_termination(self) -> None:
         await self.grpc.wait_for_termination()

@@ -1,9 +1,9 @@
 """The gRPC transport of `tfserve.v1.Translator`: protobuf in, the serving core, protobuf out.
 
 `TranslatorService` converts each request message into the core's plain request, submits
-it, and converts the results back (both with `tfserve.serving.messages`, which the HTTP
-adapter uses too). `GrpcCall` adds to
-the core's `Call` what only gRPC knows: the peer, the `x-request-id` metadata in and out, the
+it to the model the request names (`ServingCore.model`), and converts the results back (both
+with `tfserve.serving.messages`, which the HTTP adapter uses too). `GrpcCall` adds to the
+core's `Call` what only gRPC knows: the peer, the `x-request-id` metadata in and out, the
 deadline, and answering a `Status` as a `grpc.StatusCode` (`GRPC_CODES`). Request messages
 that do not parse become `Malformed` (`lenient_parser`), so that they are answered
 INVALID_ARGUMENT through the usual path (logged, counted) instead of grpc's UNKNOWN.
@@ -25,6 +25,7 @@ from tfserve.serving.core import ServingCore
 from tfserve.serving.messages import (
     encode_input,
     encode_response,
+    list_models_response,
     stream_response,
     translate_input,
     translate_response,
@@ -184,36 +185,42 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
 
     def __init__(self, core: ServingCore) -> None:
         self.core = core
-        self.submitter = core.submitter
-        self.tokenizer = core.runtime.tokenizer
 
     @unary("Translate")
     async def Translate(self, request: Any, call: GrpcCall) -> Any:
-        job = await self.submitter.submit_translate(translate_input(request), call)
+        model = await self.core.model(request.model, call)
+        job = await model.submitter.submit_translate(translate_input(request), call)
         results = await call.wait(job)
-        return call.sized(translate_response(results, call.request_id, self.tokenizer.decode))
+        return call.sized(translate_response(results, call.request_id, model.decode))
 
     @streaming("TranslateStream")
     async def TranslateStream(self, request: Any, call: GrpcCall) -> AsyncIterator[Any]:
+        model = await self.core.model(request.model, call)
         stream = TokenStream(asyncio.get_running_loop())
-        job = await self.submitter.submit_translate(translate_input(request), call,
-                                                    stream.on_event)
+        job = await model.submitter.submit_translate(translate_input(request), call,
+                                                     stream.on_event)
         call.job = job
         await call.send_metadata()
         stream.end_with(job)
-        decode = self.tokenizer.decode
+        decode = model.decode
         async for chunk in stream.chunks(decode):
             yield call.sized(stream_response(chunk, call.request_id, decode))
         await call.wait(job)  # raises the job's error, if it failed
 
     @unary("Encode")
     async def Encode(self, request: Any, call: GrpcCall) -> Any:
-        results = await call.wait(await self.submitter.submit_encode(encode_input(request), call))
+        model = await self.core.model(request.model, call)
+        results = await call.wait(await model.submitter.submit_encode(encode_input(request),
+                                                                      call))
         return call.sized(encode_response(results, call.request_id))
 
     @unary("GetModelInfo")
     async def GetModelInfo(self, request: Any, call: GrpcCall) -> Any:
-        return self.core.model_info()
+        return self.core.model_info(await self.core.model(request.model, call))
+
+    @unary("ListModels")
+    async def ListModels(self, request: Any, call: GrpcCall) -> Any:
+        return call.sized(list_models_response(*self.core.list_models()))
 
 
 def add_translator_service(service: TranslatorService, server: grpc.aio.Server) -> None:

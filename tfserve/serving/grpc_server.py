@@ -1,6 +1,11 @@
 """The gRPC listener around the Translator service (tfserve.serving.grpc_api): grpc.aio
 server options, TLS, the bearer-token interceptor, health and reflection.
 
+Health: `""` and `tfserve.v1.Translator` are the server's (SERVING from the start until the
+drain), and `tfserve.v1.Translator/<model>` each model's (`MODEL_HEALTH_PREFIX`): SERVING
+while the model is loaded or can be loaded, NOT_SERVING when its last load failed,
+SERVICE_UNKNOWN once it is removed from the repository.
+
 grpc.aio runs every RPC on one event loop (the HTTP front end shares it); the model only ever
 runs on the scheduler's worker thread, and results come back through futures
 (tfserve.serving.calls). tfserve.serving.frontends starts and drains it beside the HTTP
@@ -9,6 +14,7 @@ front end, around one ServingCore.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -23,6 +29,8 @@ from tfserve.serving.grpc_api import SERVICE_NAME, TranslatorService, add_transl
 from tfserve.settings import ServerConfig
 
 log = logging.getLogger("tfserve.server")
+
+MODEL_HEALTH_PREFIX = f"{SERVICE_NAME}/"  # + a model's name: that model's health service
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -153,6 +161,17 @@ class GrpcServer:
         await self._server.start()
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        repository = self.core.repository
+        for model, status in repository.healths():
+            await self.health.set(MODEL_HEALTH_PREFIX + model,
+                                  health_pb2.HealthCheckResponse.ServingStatus.Value(status))
+        repository.add_listener(self._model_health)
+
+    def _model_health(self, model: str, status: str) -> None:
+        """A model's health changed (ModelRepository listener, on the event loop)."""
+        value = health_pb2.HealthCheckResponse.ServingStatus.Value(status)
+        asyncio.get_running_loop().create_task(
+            self.health.set(MODEL_HEALTH_PREFIX + model, value))
 
     async def not_serving(self) -> None:
         """Health NOT_SERVING (the drain's first step; new RPCs are refused by the core)."""

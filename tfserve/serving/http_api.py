@@ -1,16 +1,19 @@
 """The HTTP/JSON transport of `tfserve.v1.Translator`: JSON in, the serving core, JSON out.
 
 The bodies are the `tfserve.v1` messages in protobuf's JSON mapping (tfserve.serving.messages,
-the same conversions the gRPC adapter uses); every call goes through the core's `Calls` as an
-`HttpCall`, so the checks, the in-flight and drain accounting, the metrics by (rpc, status)
-and the access log are the gRPC side's. The routes are one table (`ROUTES`), which builds both
-the aiohttp application and its OpenAPI document (tfserve.serving.openapi).
+the same conversions the gRPC adapter uses; a body's `model` names the model, as over gRPC);
+every call goes through the core's `Calls` as an `HttpCall`, so the checks, the in-flight and
+drain accounting, the metrics by (rpc, status) and the access log are the gRPC side's. The
+routes are one table (`ROUTES`), which builds both the aiohttp application and its OpenAPI
+document (tfserve.serving.openapi).
 
     POST /v1/translate          TranslateRequest -> TranslateResponse        (rpc Translate)
     POST /v1/translate:stream   TranslateRequest -> server-sent events of
                                 TranslateStreamResponse, then `event: done`  (TranslateStream)
     POST /v1/encode             EncodeRequest -> EncodeResponse              (Encode)
-    GET  /v1/model              ModelInfo                                    (GetModelInfo)
+    GET  /v1/model              ModelInfo of the default model               (GetModelInfo)
+    GET  /v1/models             ListModelsResponse: every model, its state   (ListModels)
+    GET  /v1/models/{name}      ModelInfo of that model (loaded if need be)  (GetModelInfo)
     GET  /metrics               the Prometheus exposition of the server's registry
     GET  /healthz, /v2/health/live      200 while the process serves
     GET  /readyz,  /v2/health/ready     200 when ready; 503 while starting or draining
@@ -42,6 +45,7 @@ from tfserve.serving.messages import (
     encode_input,
     encode_response,
     from_json,
+    list_models_response,
     pb2,
     stream_response,
     to_json,
@@ -64,6 +68,7 @@ HTTP_STATUS: dict[Status, int] = {
     Status.INVALID_ARGUMENT: 400,
     Status.UNAUTHENTICATED: 401,
     Status.NOT_FOUND: 404,
+    Status.UNIMPLEMENTED: 501,  # a route with the wrong method answers 405 (json_errors)
     Status.RESOURCE_EXHAUSTED: 429,
     Status.CANCELLED: 499,  # nobody reads it: the client left
     Status.INTERNAL: 500,
@@ -130,6 +135,10 @@ class HttpCall(Call):
                          trace_carrier=request.headers,
                          trace_name=f"{request.method} {request.path}")
 
+    def span_error(self, status: Status) -> bool:
+        """OpenTelemetry's rule for HTTP server spans: only a 5xx answer is an error."""
+        return HTTP_STATUS[status] >= 500
+
     @property
     def headers(self) -> dict[str, str]:
         """The response headers every answer of this call carries."""
@@ -179,7 +188,7 @@ class Route:
     handler: str
 
 
-_CALL_ERRORS = (400, 401, 429, 500, 503, 504)
+_CALL_ERRORS = (400, 401, 404, 429, 500, 503, 504)
 ROUTES = (
     Route(Operation("POST", "/v1/translate", "Translate texts (or token ids)",
                     "TranslateRequest", "TranslateResponse", errors=(*_CALL_ERRORS, 413)),
@@ -192,9 +201,16 @@ ROUTES = (
     Route(Operation("POST", "/v1/encode", "Sentence embeddings and per-token hidden states",
                     "EncodeRequest", "EncodeResponse", errors=(*_CALL_ERRORS, 413)),
           "encode"),
-    Route(Operation("GET", "/v1/model", "The model served and the server's limits",
-                    response="ModelInfo", errors=(401, 503)),
+    Route(Operation("GET", "/v1/model", "The default model and the server's limits",
+                    response="ModelInfo", errors=(400, 401, 404, 429, 500, 503)),
           "model"),
+    Route(Operation("GET", "/v1/models", "Every model of the repository and its state",
+                    response="ListModelsResponse", errors=(401, 503)),
+          "models"),
+    Route(Operation("GET", "/v1/models/{name}", "One model (loaded first if it is not) and "
+                    "the server's limits", response="ModelInfo",
+                    errors=(401, 404, 429, 500, 503)),
+          "named_model"),
     Route(Operation("GET", "/metrics", "Prometheus metrics of this server process",
                     content="text/plain", errors=(401,)),
           "metrics"),
@@ -220,8 +236,6 @@ class HttpApi:
 
     def __init__(self, core: ServingCore, ready: Readiness) -> None:
         self.core = core
-        self.submitter = core.submitter
-        self.decode = core.runtime.tokenizer.decode
         self.ready_reason = ready
         self.document = json.dumps(openapi_document(
             (route.operation for route in ROUTES), bool(core.config.auth_token))).encode()
@@ -255,24 +269,40 @@ class HttpApi:
 
     async def translate(self, request: web.Request) -> web.Response:
         async def answer(message: Any, call: HttpCall) -> bytes:
-            job = await self.submitter.submit_translate(translate_input(message), call)
+            model = await self.core.model(message.model, call)
+            job = await model.submitter.submit_translate(translate_input(message), call)
             results = await call.wait(job)
-            return call.sized(translate_response(results, call.request_id, self.decode))
+            return call.sized(translate_response(results, call.request_id, model.decode))
 
         return await self._unary(request, "Translate", pb2.TranslateRequest, answer)
 
     async def encode(self, request: web.Request) -> web.Response:
         async def answer(message: Any, call: HttpCall) -> bytes:
-            job = await self.submitter.submit_encode(encode_input(message), call)
+            model = await self.core.model(message.model, call)
+            job = await model.submitter.submit_encode(encode_input(message), call)
             return call.sized(encode_response(await call.wait(job), call.request_id))
 
         return await self._unary(request, "Encode", pb2.EncodeRequest, answer)
 
     async def model(self, request: web.Request) -> web.Response:
         async def answer(message: Any, call: HttpCall) -> bytes:
-            return call.sized(self.core.model_info())
+            return call.sized(self.core.model_info(await self.core.model("", call)))
 
         return await self._unary(request, "GetModelInfo", None, answer)
+
+    async def named_model(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+
+        async def answer(message: Any, call: HttpCall) -> bytes:
+            return call.sized(self.core.model_info(await self.core.model(name, call)))
+
+        return await self._unary(request, "GetModelInfo", None, answer)
+
+    async def models(self, request: web.Request) -> web.Response:
+        async def answer(message: Any, call: HttpCall) -> bytes:
+            return call.sized(list_models_response(*self.core.list_models()))
+
+        return await self._unary(request, "ListModels", None, answer)
 
     async def translate_stream(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: `data: <TranslateStreamResponse>` per chunk, `event: done` at
@@ -286,14 +316,15 @@ class HttpApi:
             call.begin()
             if body_error is not None:
                 raise body_error
+            model = await self.core.model(message.model, call)
             stream = TokenStream(asyncio.get_running_loop())
-            job = await self.submitter.submit_translate(translate_input(message), call,
-                                                        stream.on_event)
+            job = await model.submitter.submit_translate(translate_input(message), call,
+                                                         stream.on_event)
             call.job = job
             stream.end_with(job)
-            async for chunk in stream.chunks(self.decode):
+            async for chunk in stream.chunks(model.decode):
                 event = b"data: " + call.sized(
-                    stream_response(chunk, call.request_id, self.decode)) + b"\n\n"
+                    stream_response(chunk, call.request_id, model.decode)) + b"\n\n"
                 if response is None:
                     response = await self._start_events(request, call)
                 await response.write(event)
@@ -375,7 +406,8 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
                       "lists them)"
         else:
             message = exc.text or exc.reason
-        code = Status.NOT_FOUND if exc.status in (404, 405) else Status.INVALID_ARGUMENT
+        code = {404: Status.NOT_FOUND, 405: Status.UNIMPLEMENTED}.get(
+            exc.status, Status.INVALID_ARGUMENT)
         return error_response(code.name, message, exc.status,
                               {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None)
     except Exception:

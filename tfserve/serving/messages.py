@@ -2,8 +2,8 @@
 for every front end: the gRPC adapter sends the messages as protobuf, the HTTP adapter as
 their JSON mapping (`to_json` / `from_json`), so both speak one schema, written once.
 
-Requests become `TranslateInput` / `EncodeInput`; hypotheses, stream chunks and encodings
-become response messages. Nothing here knows a transport.
+Requests become `TranslateInput` / `EncodeInput`; hypotheses, stream chunks, encodings and
+the repository's model statuses become response messages. Nothing here knows a transport.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from google.protobuf import json_format
 
 from tfserve.generation import Hypothesis
 from tfserve.proto import load as load_stubs
+from tfserve.serving.repository import ModelStatus
 from tfserve.serving.requests import EncodeInput, OptionFields, TranslateInput
 from tfserve.serving.status import InvalidArgument
 from tfserve.serving.stream import Chunk
@@ -110,6 +111,17 @@ def encode_response(results: Sequence[Any], request_id: str) -> Any:
             message.hidden_states.extend(encoded.hidden_states.ravel().tolist())  # [len*D]
         embeddings.append(message)
     return pb2.EncodeResponse(embeddings=embeddings, request_id=request_id)
+
+
+def list_models_response(statuses: Sequence[ModelStatus], default_model: str) -> Any:
+    """A ListModelsResponse: every model of the repository with its state."""
+    return pb2.ListModelsResponse(default_model=default_model, models=[pb2.ModelStatus(
+        name=status.name, state=pb2.ModelState.Value(f"MODEL_STATE_{status.state.upper()}"),
+        version=status.version, loaded_version=status.loaded_version,
+        model_name=status.model_name, source_language=status.source_language,
+        target_language=status.target_language, memory_bytes=status.memory_bytes,
+        in_flight=status.in_flight, last_error=status.last_error,
+        is_default=status.is_default) for status in statuses])
 
 
 # -- the JSON mapping -----------------------------------------------------------------------

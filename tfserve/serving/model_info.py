@@ -18,9 +18,10 @@ pb2 = load_stubs()[0]
 ModelInfo, Limits, ParitySummary = pb2.ModelInfo, pb2.Limits, pb2.ParitySummary
 
 
-def model_info(runtime: Any, config: ServerConfig, max_new_tokens_limit: int) -> Any:
+def model_info(runtime: Any, config: ServerConfig, max_new_tokens_limit: int,
+               name: str = "", version: str = "") -> Any:
     """The ModelInfo message of `runtime` served with `config` (max_new_tokens_limit: the
-    scheduler's)."""
+    scheduler's) as the model `name` of the repository, at `version`."""
     model = runtime.config
     manifest = runtime.manifest
     parity = dict(manifest.parity or {})
@@ -61,4 +62,6 @@ def model_info(runtime: Any, config: ServerConfig, max_new_tokens_limit: int) ->
             device=str(parity.get("device", "")),
             report_json=json.dumps(parity, sort_keys=True),
         ),
+        model=name,
+        version=version,
     )

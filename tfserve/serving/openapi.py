@@ -6,6 +6,7 @@ table that builds the aiohttp app (tfserve.serving.http_api) and from the descri
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,9 @@ def message_schemas(names: Iterable[str]) -> dict[str, Any]:
                 schema: dict[str, Any] = {"$ref": f"#/components/schemas/"
                                                   f"{field.message_type.name}"}
                 pending.append(field.message_type)
+            elif field.type == FieldDescriptor.TYPE_ENUM:  # the value's name, as a string
+                schema = {"type": "string",
+                          "enum": [value.name for value in field.enum_type.values]}
             else:
                 schema = dict(_SCALARS[field.type])
             if field.is_repeated:
@@ -90,10 +94,14 @@ def message_schemas(names: Iterable[str]) -> dict[str, Any]:
 
 
 _REASONS = {400: "Bad request (INVALID_ARGUMENT)", 401: "Missing or wrong bearer token",
-            404: "Not found", 413: "Request body over --max-message-bytes",
+            404: "No such model (NOT_FOUND; the message names the models served)",
+            413: "Request body over --max-message-bytes",
             429: "Queue full, or the answer over --max-message-bytes (RESOURCE_EXHAUSTED)",
             500: "Internal error", 503: "Shutting down, or not ready yet (UNAVAILABLE)",
             504: "The x-request-timeout-ms deadline passed (DEADLINE_EXCEEDED)"}
+
+
+_PATH_PARAMETER = re.compile(r"\{(\w+)\}")  # /v1/models/{name}
 
 
 def _operation(operation: Operation) -> dict[str, Any]:
@@ -126,6 +134,10 @@ def _operation(operation: Operation) -> dict[str, Any]:
              "schema": {"type": "integer", "minimum": 1},
              "description": "deadline in milliseconds: DEADLINE_EXCEEDED (504) once it passes"},
         ]
+    for name in _PATH_PARAMETER.findall(operation.path):
+        body.setdefault("parameters", []).insert(0, {
+            "name": name, "in": "path", "required": True, "schema": {"type": "string"},
+            "description": "a model's name (GET /v1/models lists them)"})
     if not operation.secured:
         body["security"] = []
     return body

@@ -35,6 +35,10 @@ ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_
 PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 # the JobTimes fields that become span events (of the same names), in the order they happen
 EVENTS = ("queued", "taken", "encoded", "first_token", "done")
+# the statuses that are errors on a gRPC server span (OpenTelemetry's semantic conventions
+# for gRPC: the others are the client's doing); HTTP server spans: 5xx only
+GRPC_SERVER_ERRORS = frozenset({"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL",
+                                "UNAVAILABLE", "DATA_LOSS"})
 
 log = logging.getLogger("tfserve.server")
 
@@ -114,6 +118,11 @@ def _exporter(endpoint: str | None) -> Any:
                        "grpc or http/protobuf")
 
 
+def grpc_span_error(status: Status) -> bool:
+    """Whether a gRPC server span that ends with `status` has span status ERROR."""
+    return status.name in GRPC_SERVER_ERRORS
+
+
 @dataclass
 class CallSpan:
     """A call's span and the moment it started on two clocks: epoch nanoseconds (the span's)
@@ -159,8 +168,10 @@ class Tracing:
         return CallSpan(span, start_ns, start_perf)
 
     def end(self, call_span: CallSpan, job: Job | None, texts: int, status: Status,
-            details: str) -> None:
-        """End a call's span with its outcome; the job's moments become its events."""
+            details: str, error: bool | None = None, model: str = "") -> None:
+        """End a call's span with its outcome; the job's moments become its events. `error`:
+        whether the status is an error for this kind of span (default: the gRPC rule); the
+        span status is then ERROR, described "CODE: message". `model`: the model it used."""
         span = call_span.span
         span.set_attributes({
             "tfserve.texts": texts,
@@ -168,11 +179,15 @@ class Tracing:
             "tfserve.output_tokens": job.generated_tokens if job is not None else 0,
             "tfserve.status": status.name,
         })
+        if model:
+            span.set_attribute("tfserve.model", model)
         if job is not None:
             for event in EVENTS:
                 moment = getattr(job.times, event)
                 if moment is not None:
                     span.add_event(event, timestamp=call_span.epoch_ns(moment))
-        if status != Status.OK:
+        if error is None:
+            error = grpc_span_error(status)
+        if error:
             span.set_status(self._error(f"{status.name}: {details}"))
         span.end()
