@@ -10,6 +10,7 @@ Every axis is dynamic; the example inputs use sizes >= 2 so no axis is specialis
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -159,12 +160,42 @@ def export_graphs(model: Seq2SeqTransformer, directory: Path, opset: int,
             (EncoderGraph(model), enc_example, encoder_path, enc_in, enc_out, enc_axes),
             (DecoderGraph(model), dec_example, decoder_path, dec_in, dec_out, dec_axes),
         ):
-            torch.onnx.export(
-                module, args, str(path), input_names=names_in, output_names=names_out,
-                dynamic_axes=axes, opset_version=opset, dynamo=False, do_constant_folding=True,
-                custom_opsets={"com.microsoft": 1} if fused else None,
-            )
+            # a graph over 2 GB (NLLB-600M's decoder: two 256k x 1024 tables) is written
+            # by torch with one external file per tensor beside it: trace into a scratch
+            # directory and keep one graph file (+ one data file when it needs one)
+            scratch = directory / f".trace-{path.stem}"
+            scratch.mkdir()
+            try:
+                torch.onnx.export(
+                    module, args, str(scratch / path.name), input_names=names_in,
+                    output_names=names_out, dynamic_axes=axes, opset_version=opset,
+                    dynamo=False, do_constant_folding=True,
+                    custom_opsets={"com.microsoft": 1} if fused else None,
+                )
+                gather_graph(scratch / path.name, path)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
     return encoder_path, decoder_path
+
+
+def gather_graph(traced: Path, path: Path) -> None:
+    """Move the traced graph to `path`; its external tensors, if torch wrote any, into one
+    `<name>.data` file beside it."""
+    if [p for p in traced.parent.iterdir() if p != traced] == []:
+        traced.replace(path)
+        return
+    import onnx
+
+    model = onnx.load(str(traced))  # with its external tensors
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024)
+
+
+def is_large(path: Path) -> bool:
+    """Whether a graph and its external data are too large for one protobuf (2 GB)."""
+    data = path.with_name(path.name + ".data")
+    size = path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
+    return size >= 2**31 - 2**26
 
 
 def quantize_int8(directory: Path, files: list[str]) -> None:
@@ -184,9 +215,13 @@ def quantize_int8(directory: Path, files: list[str]) -> None:
     for name in files:
         source = directory / name
         target = directory / (name + ".int8")
+        large = is_large(source)
         quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8,
-                         per_channel=True, op_types_to_quantize=["MatMul", "Gather"])
+                         per_channel=True, op_types_to_quantize=["MatMul", "Gather"],
+                         use_external_data_format=large)
         target.replace(source)
+        if large:  # its tensors went to <target>.data, which the graph names
+            source.with_name(source.name + ".data").unlink(missing_ok=True)
 
 
 def store_weights_externally(directory: Path, files: list[str]) -> None:
@@ -208,3 +243,5 @@ def store_weights_externally(directory: Path, files: list[str]) -> None:
         # onnx creates it owner-only; it must be as readable as the graph (a container's
         # non-root user reads artifacts exported by root)
         data.chmod(path.stat().st_mode & 0o777)
+        # the tensors a large graph's quantization kept apart are all in `data` now
+        path.with_name(name + ".int8.data").unlink(missing_ok=True)

@@ -780,3 +780,12 @@ def test_missing_tokenizer_json_and_stray_tensors_are_refused(checkpoints, tmp_p
     with pytest.raises(SourceError, match="no place in tfserve's model: "
                                           "encoder.layer_norm.weight"):
         import_hf(directory)
+
+
+def test_step_profile_names_the_output_projection(exported, capsys):
+    from tfserve.bench.step_profile import main as step_profile
+
+    assert step_profile([str(exported["nllb"]), "--batch", "2", "--threads", "1",
+                         "--steps", "2", "--top", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "vocabulary 228, 3 decoder layers, batch 2" in out and "/lm_head/MatMul" in out

@@ -4,6 +4,7 @@
     python -m tfserve.bench.compare --hf-dir opus-mt-en-de  # a real (downloaded) checkpoint
     python -m tfserve.bench.compare --quick                 # tiny model, seconds (smoke test)
     python -m tfserve.bench.compare --model flan-t5-base    # a random Flan-T5-base-sized T5
+    python -m tfserve.bench.compare --model nllb-600m       # a random NLLB-200-600M-sized model
 
 One run builds (or, with --work DIR, reuses) a MarianMT checkpoint, imports it with
 `python -m export --from-hf` (fp32, and int8 with --quantize int8), converts it with
@@ -159,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="build directory, reused when it holds a build of the same model "
                         "(default: a new temporary directory)")
     parser.add_argument("--hf-dir", type=Path, default=None,
-                        help="a downloaded MarianMT / opus-mt checkpoint instead of the random one")
+                        help="a downloaded checkpoint (MarianMT, T5, NLLB, ...) instead of the "
+                        "random one")
     parser.add_argument("--model", default="opus-mt-base", choices=list(MODELS),
                         help="the random model to build (without --hf-dir)")
     parser.add_argument("--quick", action="store_true",

@@ -84,7 +84,8 @@ class CTranslate2Engine(Engine):
             vocab, _, _, _ = read_vocab(hf_dir)
         else:
             # T5: the tokenizer's pieces, then "<extra_id_N>" names for the model's ids
-            # beyond them (which repeat sentinel names: the first id of a name is kept)
+            # beyond them (which repeat sentinel names: the first id of a name is kept);
+            # NLLB: the tokenizer's pieces, then "madeupwordN" up to the model's vocabulary
             pieces = json.loads((model_dir / "shared_vocabulary.json").read_text(
                 encoding="utf-8"))
             vocab = {}

@@ -45,8 +45,15 @@ FLAN_T5_BASE = ModelSpec("random-flan-t5-base", d_model=768, layers=12, heads=12
                          vocab=32128, positions=512, family="t5")
 QUICK_T5 = ModelSpec("random-flan-t5-tiny", d_model=32, layers=2, heads=4, ffn=64, vocab=2600,
                      positions=64, family="t5")
+# facebook/nllb-200-distilled-600M sizes: 16 heads, 12+12 layers, FFN 4096, 256,206 ids (the
+# output projection alone is 1024 x 256,206: 262M of the model's 615M parameters)
+NLLB_600M = ModelSpec("random-nllb-200-distilled-600m", d_model=1024, layers=12, heads=16,
+                      ffn=4096, vocab=256206, positions=1024, family="nllb")
+QUICK_NLLB = ModelSpec("random-nllb-tiny", d_model=32, layers=2, heads=4, ffn=64, vocab=2600,
+                       positions=64, family="nllb")
 # the models `python -m tfserve.bench.compare --model NAME` builds: (full size, --quick)
-MODELS = {"opus-mt-base": (BASE_MODEL, QUICK_MODEL), "flan-t5-base": (FLAN_T5_BASE, QUICK_T5)}
+MODELS = {"opus-mt-base": (BASE_MODEL, QUICK_MODEL), "flan-t5-base": (FLAN_T5_BASE, QUICK_T5),
+          "nllb-600m": (NLLB_600M, QUICK_NLLB)}
 
 
 def model_spec(name: str, quick: bool = False) -> ModelSpec:
@@ -160,6 +167,8 @@ def build_checkpoint(directory: Path, spec: ModelSpec, seed: int = 0) -> Path:
 
     if spec.family == "t5":
         return build_t5_checkpoint(directory, spec, seed)
+    if spec.family == "nllb":
+        return build_nllb_checkpoint(directory, spec, seed)
     directory.mkdir(parents=True, exist_ok=True)
     words = pseudo_words(3000, seed)
     spm_model = train_spm(pseudo_sentences(words, 5000, seed), vocab_size=4000)
@@ -275,6 +284,51 @@ def build_t5_checkpoint(directory: Path, spec: ModelSpec, seed: int = 0) -> Path
         model.lm_head.weight = torch.nn.Parameter(
             torch.randn_like(model.shared.weight) * spec.d_model ** -0.5)
     model.generation_config.max_length = spec.positions
+    model.save_pretrained(directory)
+    return directory
+
+
+NLLB_PIECES = 8000  # SentencePiece pieces of the random NLLB tokenizer (the real one: 256,000)
+NLLB_LANGUAGES = ("eng_Latn", "fra_Latn", "deu_Latn", "spa_Latn")
+
+
+def build_nllb_checkpoint(directory: Path, spec: ModelSpec, seed: int = 0) -> Path:
+    """An M2M100ForConditionalGeneration of NLLB-200's layout (pre-norm, fairseq sinusoidal
+    positions, scaled and tied embeddings, relu) with transformers' random init, and
+    NLLB's tokenizer files: a SentencePiece BPE model trained on generated text, written by
+    NllbTokenizer (tokenizer.json) with four language codes. The model's vocabulary has the
+    real model's 256,206 ids whatever the tokenizer holds: the output projection's cost is
+    the point of this model."""
+    import warnings
+
+    import sentencepiece as spm
+    import torch
+    from transformers import M2M100Config, M2M100ForConditionalGeneration, NllbTokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    words = pseudo_words(3000, seed)
+    pieces = min(NLLB_PIECES, spec.vocab // 2)
+    model_file = directory / "sentencepiece.bpe.model"
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(pseudo_sentences(words, 5000, seed)),
+        model_prefix=str(model_file.with_suffix("")), model_type="bpe", vocab_size=pieces,
+        character_coverage=1.0, hard_vocab_limit=False, minloglevel=2)
+    model_file.with_suffix(".vocab").unlink(missing_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = NllbTokenizer.from_pretrained(
+            str(directory), additional_special_tokens=list(NLLB_LANGUAGES))
+        tokenizer.save_pretrained(directory)
+    config = M2M100Config(
+        vocab_size=spec.vocab, d_model=spec.d_model, encoder_layers=spec.layers,
+        decoder_layers=spec.layers, encoder_attention_heads=spec.heads,
+        decoder_attention_heads=spec.heads, encoder_ffn_dim=spec.ffn, decoder_ffn_dim=spec.ffn,
+        max_position_embeddings=spec.positions, activation_function="relu",
+        scale_embedding=True, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        decoder_start_token_id=2, dropout=0.1)
+    torch.manual_seed(seed)
+    model = M2M100ForConditionalGeneration(config).eval()
+    model.generation_config.max_length = 200  # as NLLB-200's generation_config.json
     model.save_pretrained(directory)
     return directory
 

@@ -1,0 +1,116 @@
+"""Where one decoder step's time goes: ONNX Runtime's per-node profile of an export's decoder.
+
+    python -m tfserve.bench.step_profile ARTIFACTS [--batch 16] [--threads 2] [--past 16]
+
+Runs the decoder graph of an artifacts directory on random inputs (`--batch` rows, one new
+token after `--past` cached ones, a source of `--source` tokens), a few warm-up steps and
+`--steps` timed ones, with ONNX Runtime's profiler on, and prints the step time, the step time
+without fetching the [B,1,V] logits (what a search that reads only the graph's top
+candidates would pay), and the nodes that take the most kernel time. With a large
+vocabulary (NLLB-200's 256,206 ids) the output projection (`/lm_head/MatMul`, or its
+`_quant` form in int8 exports) and the LogSoftmax / TopK over its output lead the list.
+
+Imports numpy and onnxruntime only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from tfserve.manifest import Manifest
+
+
+def profile(artifacts: Path, batch: int, threads: int, past: int, source: int, steps: int,
+            top: int) -> list[str]:
+    """The report's lines (module docstring)."""
+    manifest = Manifest.load(artifacts)
+    cfg = manifest.config
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.enable_profiling = True
+    options.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "step")
+    session = ort.InferenceSession(str(artifacts / manifest.decoder_file), options,
+                                   providers=["CPUExecutionProvider"])
+    dtype = np.float16 if manifest.dtype == "fp16" else np.float32
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": np.full((batch, 1), cfg.eos_token_id, np.int64),  # [B,1]
+             "position_ids": np.full((batch, 1), past, np.int64),
+             "self_attention_mask": np.ones((batch, past + 1), np.int64),
+             "encoder_attention_mask": np.ones((batch, source), np.int64)}
+    for layer in range(cfg.decoder_layers):
+        for kind, length in (("past", past), ("cross", source)):
+            for part in ("key", "value"):
+                feeds[f"{kind}_{part}_{layer}"] = rng.standard_normal(
+                    (batch, cfg.num_heads, length, cfg.head_dim)).astype(dtype)
+    fetch = [output.name for output in session.get_outputs()]
+    without_logits = [name for name in fetch if name != "logits"]
+    warmup = 3
+    for _ in range(warmup):
+        session.run(fetch, feeds)
+    timings = {}
+    for name, names in (("all", fetch), ("no-logits", without_logits)):
+        started = time.perf_counter()
+        for _ in range(steps):
+            session.run(names, feeds)
+        timings[name] = (time.perf_counter() - started) / steps
+    events = json.loads(Path(session.end_profiling()).read_text(encoding="utf-8"))
+    per_node: collections.Counter[str] = collections.Counter()
+    op_of = {}
+    for event in events:
+        name = event.get("name", "")
+        if event.get("cat") == "Node" and name.endswith("_kernel_time"):
+            node = name[: -len("_kernel_time")]
+            per_node[node] += event["dur"]
+            op_of[node] = event.get("args", {}).get("op_name", "")
+    runs = warmup + 2 * steps
+    kernels = sum(per_node.values()) / runs  # microseconds per step
+    lines = [f"{artifacts.name}: {manifest.dtype}{' int8' if manifest.quantization else ''}, "
+             f"vocabulary {cfg.vocab_size}, {cfg.decoder_layers} decoder layers, batch "
+             f"{batch}, {threads} threads: step {timings['all'] * 1e3:.2f} ms, without "
+             f"fetching the logits {timings['no-logits'] * 1e3:.2f} ms, kernels "
+             f"{kernels / 1e3:.2f} ms"]
+    for node, total in per_node.most_common(top):
+        lines.append(f"  {op_of[node]:24s} {total / runs / 1e3:8.2f} ms "
+                     f"{100 * total / runs / kernels:5.1f}%  {node}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tfserve.argparsing import OneLineParser
+
+    parser = OneLineParser(prog="python -m tfserve.bench.step_profile",
+                           description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("artifacts", type=Path, help="an artifacts directory (python -m export)")
+    parser.add_argument("--batch", type=int, default=1, help="decoder rows")
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: all)")
+    parser.add_argument("--past", type=int, default=16, help="cached tokens per row")
+    parser.add_argument("--source", type=int, default=25, help="source tokens per row")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--top", type=int, default=8, help="nodes listed")
+    args = parser.parse_args(argv)
+    for name in ("batch", "past", "source", "steps", "top"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    if args.threads < 0:
+        parser.error("--threads must be >= 0")
+    try:
+        lines = profile(args.artifacts, args.batch, args.threads, args.past, args.source,
+                        args.steps, args.top)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
