@@ -707,10 +707,26 @@ def test_trace_context_comes_from_the_headers(random_model: Path, runtime: Any) 
                          as_json(translate_request(["seven"], max_new_tokens=2)),
                          (("traceparent", f"00-{trace_id}-{parent_id}-01"),))
         assert answer.status == 200
-        running.wait_until(lambda: len(exporter.get_finished_spans()) == 1)
+        # OpenTelemetry's rule for HTTP server spans: a 4xx answer is no error, a 5xx is
+        answer = request(running.http_url, "POST", "/v1/translate",
+                         as_json(translate_request(["seven"], num_beams=40)))
+        assert answer.status == 400
+        with Gate(running.scheduler) as gate:
+            gate.open()
+            gate.fail_next("encode")
+            answer = request(running.http_url, "POST", "/v1/translate",
+                             as_json(translate_request(["seven"], max_new_tokens=2)))
+        assert answer.status == 500
+        running.wait_until(lambda: len(exporter.get_finished_spans()) == 3)
     provider.shutdown()
-    (span,) = exporter.get_finished_spans()
+    span, refused, failed = exporter.get_finished_spans()
     assert span.name == "POST /v1/translate"
     assert format(span.context.trace_id, "032x") == trace_id
     assert format(span.parent.span_id, "016x") == parent_id
     assert span.attributes["rpc.method"] == "Translate"
+    from opentelemetry.trace import StatusCode
+
+    assert refused.status.status_code == StatusCode.UNSET
+    assert refused.attributes["tfserve.status"] == "INVALID_ARGUMENT"
+    assert failed.status.status_code == StatusCode.ERROR
+    assert failed.status.description.startswith("INTERNAL: ")

@@ -30,6 +30,7 @@ from tfserve.serving.requests import check_request_id
 from tfserve.serving.status import (
     Draining,
     InvalidArgument,
+    ModelLoadFailed,
     ResponseTooLarge,
     Status,
     status_for,
@@ -227,7 +228,7 @@ class Call:
             self.finish(status, reason)
             return status, reason
         status, details = status_for(exc)
-        if status == Status.INTERNAL and not isinstance(exc, ModelError):
+        if status == Status.INTERNAL and not isinstance(exc, (ModelError, ModelLoadFailed)):
             log.error("%s %s failed", self.rpc, self.request_id, exc_info=exc)
         if self.job is not None:
             self.job.cancel()  # a failure outside the scheduler: stop its work too

@@ -64,7 +64,7 @@ def read_entry(name: str, path: Path) -> Entry:
         config = Manifest.load(path).config
     except (ValueError, KeyError, TypeError) as exc:
         return Entry(name, path, digest.hexdigest()[:VERSION_CHARS], total,
-                     manifest_error=f"{path / MANIFEST_FILE}: {exc}")
+                     manifest_error=str(exc))  # it names the file
     return Entry(name, path, digest.hexdigest()[:VERSION_CHARS], total, config.name,
                  config.source_language, config.target_language)
 

@@ -204,14 +204,10 @@ class ModelRepository:
             directory = Path(config.model_repository)
             if not directory.is_dir():
                 raise ValueError(f"--model-repository {directory}: not a directory")
-            repository = cls(config, metrics, {}, loader, directory)
-            found = scan(directory, repository._warned)
-            repository.slots = {name: ModelSlot(entry)
-                                for name, entry in sorted(found.entries.items())}
-            if config.default_model and config.default_model not in repository.slots:
-                raise ValueError(f"--default-model {config.default_model!r} is not a model of "
-                                 f"--model-repository {directory}; "
-                                 f"{repository._names_text()}")
+            warned: set[str] = set()
+            found = scan(directory, warned)
+            repository = cls(config, metrics, found.entries, loader, directory)
+            repository._warned = warned
             return repository
         if runtime is not None:
             entry = _runtime_entry(runtime, config.model)
@@ -366,6 +362,7 @@ class ModelRepository:
                 raise self._load_failed(slot, entry, exc) from exc
         finally:
             slot.loading = slot.loading_entry = None
+            self._notify(slot)  # failed, or unloaded (refused for capacity), or loaded below
         if self._stopped or slot.removed:
             await asyncio.to_thread(model.close)
             self._notify(slot)
@@ -407,7 +404,8 @@ class ModelRepository:
         serving = slot.model.version if slot.model is not None else ""
         log.error("model %s: version %s cannot be loaded: %s%s", entry.name, entry.version,
                   reason, f"; version {serving} keeps serving" if serving else "")
-        self._notify(slot)
+        if not slot.loading:  # at start: no load task whose end notifies
+            self._notify(slot)
         return ModelLoadFailed(f"model {entry.name!r} cannot be loaded: {reason}")
 
     # -- limits and unloading ---------------------------------------------------------------
@@ -423,10 +421,10 @@ class ModelRepository:
         if extra is not None:
             count, memory = count + 1, memory + extra.memory_bytes
         if config.max_loaded_models and count > config.max_loaded_models:
-            return f"--max-loaded-models {config.max_loaded_models} models are loaded"
+            return f"--max-loaded-models {config.max_loaded_models} is reached"
         if config.max_model_memory and memory > config.max_model_memory:
-            return (f"--max-model-memory {config.max_model_memory} bytes would be exceeded "
-                    f"({memory} bytes of models)")
+            return (f"the models would take {memory} bytes, over --max-model-memory "
+                    f"{config.max_model_memory}")
         return ""
 
     async def _make_room(self, slot: ModelSlot, entry: Entry) -> None:
@@ -448,8 +446,8 @@ class ModelRepository:
                 await asyncio.wait(set(self._closing.values()))
             else:
                 raise self._refused(slot, entry, ModelCapacity(
-                    f"model {entry.name!r} cannot be loaded now: {over}, each with requests in "
-                    "flight; retry later"))
+                    f"model {entry.name!r} cannot be loaded now: {over} and every loaded model "
+                    "has requests in flight; retry later"))
 
     def _refused(self, slot: ModelSlot, entry: Entry, exc: ModelCapacity) -> ModelCapacity:
         log.warning("model %s: version %s not loaded: %s", entry.name, entry.version, exc)
@@ -473,9 +471,10 @@ class ModelRepository:
         await self._close(model, reason)
 
     def _retire(self, model: LoadedModel, reason: str) -> None:
-        """No new requests for `model`; it unloads when its requests in flight end."""
+        """No new requests for `model` (the slot no longer points to it); it unloads when its
+        requests in flight end. Its scheduler still takes theirs: one may be tokenizing, and
+        submits after the swap."""
         model.retired = reason
-        model.scheduler.close()
         if model.in_flight == 0:
             self._close_later(model, reason)
 
