@@ -789,3 +789,16 @@ def test_step_profile_names_the_output_projection(exported, capsys):
                          "--steps", "2", "--top", "40"]) == 0
     out = capsys.readouterr().out
     assert "vocabulary 228, 3 decoder layers, batch 2" in out and "/lm_head/MatMul" in out
+
+
+@pytest.mark.parametrize("name", ["nllb", "cc25"])
+@pytest.mark.parametrize("variant", [["--quantize", "int8"], ["--dtype", "fp16"]])
+def test_reduced_precision_exports_pass_their_parity_checks(name, variant, checkpoints,
+                                                             tmp_path):
+    out = tmp_path / "out"
+    assert export_main(["--from-hf", str(checkpoints[name][0]), "--out", str(out), "--quiet",
+                        *variant]) == 0
+    manifest = Manifest.load(out)
+    assert manifest.parity["passed"]
+    assert (manifest.quantization, manifest.dtype) == (
+        ("int8", "fp32") if variant[0] == "--quantize" else (None, "fp16"))
