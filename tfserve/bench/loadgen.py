@@ -36,6 +36,9 @@ count, texts, options and seeds, one connection per client (HTTP/1.1 carries one
 time); the two transports' rows come side by side. --transports picks them (default: grpc,
 and http when --http is given).
 
+With --model-name NAME, the requests name that model of a `--model-repository` server (the
+--offline figures are still those of DIR).
+
 Only loopback targets are accepted unless --allow-remote: this is a benchmark, not a way to
 load someone else's server.
 """
@@ -122,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="source texts, one per line (default: English number phrases)")
     parser.add_argument("--max-new-tokens", type=int, default=0, help="0: the server default")
     parser.add_argument("--num-beams", type=int, default=1)
+    parser.add_argument("--model-name", default="",
+                        help="the model of a --model-repository server to send to (default: "
+                             "the server's default model)")
     parser.add_argument("--warmup", type=int, default=4, help="requests sent before measuring")
     parser.add_argument("--timeout", type=float, default=60.0, help="per-request deadline (s)")
     parser.add_argument("--token", default=None, help="bearer token, when the server wants one")
@@ -248,9 +254,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         translator = offline_translator(args.offline, args.threads)
         offline = offline_figures(translator, texts, options)
 
+    served = {**options, "model": args.model_name} if args.model_name else options
+
     def level(concurrency: int, requests: int, transport: str = transports[0]) -> LevelResult:
         return run_level(targets[transport], concurrency, requests, args.duration, texts,
-                         args.texts_per_request, options, args.token, args.timeout,
+                         args.texts_per_request, served, args.token, args.timeout,
                          args.processes, args.server_pid, args.rpc, args.connections,
                          transport)
 

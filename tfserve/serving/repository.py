@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -468,7 +469,9 @@ class ModelRepository:
         assert model is not None and model.in_flight == 0
         slot.model = None
         self._notify(slot)
-        await self._close(model, reason)
+        closing = self._close(model, reason)
+        del model  # _close holds the last reference, and frees the model's memory
+        await closing
 
     def _retire(self, model: LoadedModel, reason: str) -> None:
         """No new requests for `model` (the slot no longer points to it); it unloads when its
@@ -492,16 +495,17 @@ class ModelRepository:
         finally:
             self._closing.pop(model, None)
             self.resident.discard(model)
-        release_freed_memory()
-        name = model.name
+        name, version = model.name, model.version
+        del model  # the last reference: the model goes with the collection below
         self.metrics.model_unloads.labels(name, reason).inc()
         slot = self.slots.get(name)
         if slot is None or slot.model is None:
             self.metrics.model_loaded.labels(name).set(0)
         self._count_memory(name)
         log.info("model unloaded", extra={"fields": {
-            "event": "model_unloaded", "model": name, "version": model.version,
-            "reason": reason}})
+            "event": "model_unloaded", "model": name, "version": version, "reason": reason}})
+        # before a load that waits for this unload: the memory is back when it starts
+        await asyncio.to_thread(release_freed_memory)
 
     def _count_memory(self, name: str) -> None:
         self.metrics.model_memory.labels(name).set(
@@ -650,9 +654,12 @@ def _runtime_entry(runtime: Any, path: Path | None) -> Entry:
 
 
 def release_freed_memory() -> None:
-    """Hand memory freed by an unloaded model back to the kernel (glibc's malloc_trim): the
-    server otherwise keeps freed memory for reuse (tfserve.process.keep_freed_memory), and
-    the RSS would not fall after an unload."""
+    """Free an unloaded model's memory and hand it back to the kernel. The model's objects
+    hold reference cycles (the scheduler and its parts), so they go with a collection, not
+    with their last reference; then glibc's malloc_trim, as the server otherwise keeps freed
+    memory for reuse (tfserve.process.keep_freed_memory) and in the heap of the thread that
+    loaded the model, where another model's load would not find it."""
+    gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
