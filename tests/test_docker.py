@@ -352,6 +352,39 @@ def test_mounted_model_and_sigterm_drain(engine: str, image: str, random_model: 
 
 
 @pytest.mark.docker
+def test_mounted_model_repository(engine: str, image: str, random_model: Path,
+                                  tmp_path: Path) -> None:
+    """A repository of two models mounted read-only (TFSERVE_MODEL_REPOSITORY): each request
+    names its model, over gRPC and over the published HTTP port; health per model."""
+    from tfserve.client import Client
+
+    repository = tmp_path / "repository"
+    repository.mkdir()
+    for name in ("en-de", "en-fr"):
+        shutil.copytree(random_model, repository / name)
+    box = Container(engine, _name("repository"),
+                    env={"TFSERVE_MODEL_REPOSITORY": "/models/repository", "TFSERVE_LOAD": "lazy"},
+                    extra=["-v", f"{repository}:/models/repository:ro", "--read-only"])
+    try:
+        box.wait_serving()
+        with Client(box.target, timeout=60) as client:
+            assert [(m.name, m.state) for m in client.list_models()] == [
+                ("en-de", "unloaded"), ("en-fr", "unloaded")]
+            assert client.health("tfserve.v1.Translator/en-fr") == "SERVING"
+            answer = client.translate(["seven"], model="en-fr", max_new_tokens=3)
+            assert client.model_info(model="en-fr").model == "en-fr"
+        body = json.dumps({"texts": ["seven"], "model": "en-fr",
+                           "options": {"maxNewTokens": 3}}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{box.http_port}/v1/translate",
+                                         data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            translations = json.loads(response.read())["translations"]
+        assert [t["hypotheses"][0].get("text", "") for t in translations] == answer
+    finally:
+        box.remove()
+
+
+@pytest.mark.docker
 def test_workers_in_a_container_drain_on_sigterm(engine: str, image: str) -> None:
     """TFSERVE_WORKERS=2: the parent is the container's PID 1; `kill TERM` reaches both
     workers through it, and the container exits 0 after both drained."""
