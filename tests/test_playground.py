@@ -409,3 +409,39 @@ def test_bearer_token(browser: Any, demo_model: Path) -> None:
         page.wait_rows(1)
         assert page.translation(0) == FRENCH
         browser.execute_script("sessionStorage.clear()")
+
+
+def test_a_repository_server_offers_a_choice_of_model(browser: Any, demo_model: Path,
+                                                      random_model: Path,
+                                                      tmp_path: Path) -> None:
+    """A server of several models (--model-repository): the page lists them, shows the chosen
+    one's info, and sends each translation to the chosen model."""
+    repository = tmp_path / "repository"
+    repository.mkdir()
+    shutil.copytree(demo_model, repository / "numbers")
+    shutil.copytree(random_model, repository / "random")
+    args = ["--model-repository", str(repository), "--default-model", "numbers", "--host",
+            "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-port", str(free_port()),
+            "--threads", "1", "--log-level", "warning"]
+    with ServerThread(args) as server:
+        page = Page(browser, f"{server.http_url}/")
+        choice = Select(page.driver.find_element(By.ID, "model-choice"))
+        assert page.driver.find_element(By.ID, "model-choice").is_displayed()
+        assert [option.text for option in choice.options] == ["numbers", "random"]
+        assert choice.first_selected_option.text == "numbers"  # the default model
+        assert "tfserve-demo-en-fr-numbers" in page.text("#model-info")
+        page.translate(TEXT)
+        page.wait_rows(1)
+        assert page.translation(0) == FRENCH
+        choice.select_by_value("random")
+        page.wait(lambda: "random-test-model" in page.text("#model-info"),
+                  "the model panel did not show the chosen model")
+        page.fill("max-new-tokens", "3")
+        page.translate(TEXT)
+        page.wait_rows(1)
+        count = server.metrics.value
+        assert count("tfserve_requests_total",
+                     {"model": "random", "rpc": "Translate", "code": "OK"}) + count(
+            "tfserve_requests_total",
+            {"model": "random", "rpc": "TranslateStream", "code": "OK"}) == 1
+        assert page.text("#error") == ""
