@@ -8,7 +8,7 @@ It builds a repository of --models copies of the bundled demo export (m0, m1, ..
 measures two setups with the same server flags (--threads, metrics and HTTP off):
 
 - **repository**: one `serve --model-repository DIR` process, every model loaded (--load
-  eager);
+  eager); with --repository-workers N, N worker processes, each with every model;
 - **separate**: one `serve --model DIR` process per model.
 
 In each setup: the resident memory once every model is loaded and idle; the lone latency (p50
@@ -71,6 +71,18 @@ def _status_kib(pid: int, key: str) -> int:
     raise KeyError(key)
 
 
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (a server's --workers), from /proc (Linux)."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").iterdir():
+            children = (task / "children").read_text().split()
+            pending += [int(child) for child in children]
+    return found
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -107,10 +119,11 @@ class Server:
         raise RuntimeError(f"the server on {self.target} did not start in {timeout:.0f} s")
 
     def rss_kib(self) -> int:
-        return _status_kib(self.process.pid, "VmRSS")
+        """The resident memory of the server's processes (its workers included)."""
+        return sum(_status_kib(pid, "VmRSS") for pid in _process_tree(self.process.pid))
 
     def peak_kib(self) -> int:
-        return _status_kib(self.process.pid, "VmHWM")
+        return sum(_status_kib(pid, "VmHWM") for pid in _process_tree(self.process.pid))
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -203,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lone", type=int, default=200,
                         help="lone requests measured with nothing else running")
     parser.add_argument("--threads", type=int, default=1, help="--threads of every server")
+    parser.add_argument("--repository-workers", type=int, default=1,
+                        help="--workers of the repository server (each worker loads every "
+                             "model)")
     parser.add_argument("--processes", type=int, default=0,
                         help="load generator processes per busy model (0: one per core)")
     parser.add_argument("--setups", default="repository,separate",
@@ -224,8 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = build_repository(work / "repository", args.models)
         for kind in [kind.strip() for kind in args.setups.split(",") if kind.strip()]:
             if kind == "repository":
-                servers = [Server(["--model-repository", str(work / "repository")],
-                                  args.threads)]
+                servers = [Server(["--model-repository", str(work / "repository"),
+                                   "--workers", str(args.repository_workers)], args.threads)]
                 targets = [(servers[0].target, name) for name in names]
             elif kind == "separate":
                 servers = [Server(["--model", str(work / "repository" / name)], args.threads)
@@ -234,7 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print(f"repository: error: unknown setup {kind!r}", file=sys.stderr)
                 return 2
-            setup = Setup(kind, len(servers))
+            processes = len(servers) if kind == "separate" else args.repository_workers
+            setup = Setup(kind, processes)
             try:
                 measure(setup, servers, targets, args, texts)
             finally:
