@@ -43,6 +43,7 @@ from server_helpers import (
 
 from tfserve.client import Client, ServerError
 from tfserve.generation import DecodingOptions
+from tfserve.generation_defaults import GenerationDefaults
 from tfserve.metrics import Metrics
 from tfserve.serving.model_scan import Entry, read_entry, scan
 from tfserve.serving.repository import ModelRepository
@@ -63,6 +64,7 @@ class FakeRuntime(FakeBackend):
         self.tokenizer = SimpleNamespace(eos_id=EOS, decode=lambda ids: " ".join(map(str, ids)))
         self.config = SimpleNamespace(name=entry.name, source_language="en",
                                       target_language="fr")
+        self.manifest = SimpleNamespace(generation_defaults=GenerationDefaults())
 
 
 class Loader:

@@ -10,8 +10,10 @@
                 mapping: one schema for every transport
     model_info  the model and the server's limits (the tfserve.v1 ModelInfo message)
     model_scan  a model repository directory: one Entry per model (name, version, memory)
-    repository  ModelRepository: the models served, each loaded one (LoadedModel) with its
-                own scheduler; choosing, loading, unloading (LRU), rescanning, swapping
+    loaded      LoadedModel: one loaded version of a model, with its own scheduler and
+                submitter; how an entry is loaded, how its memory goes back
+    repository  ModelRepository: the models served; choosing, loading, unloading (LRU),
+                rescanning, swapping versions
     core        ServingCore: config, models, metrics, calls; start and drain
 
 The front ends build on it: gRPC (`grpc_api`: the servicer, Status -> grpc.StatusCode;
@@ -24,9 +26,10 @@ are.
 
 from tfserve.serving.calls import REQUEST_ID_KEY, Call, Calls
 from tfserve.serving.core import ServingCore, load_runtime
+from tfserve.serving.loaded import LoadedModel
 from tfserve.serving.messages import from_json, to_json
 from tfserve.serving.model_info import Limits, ModelInfo, ParitySummary
-from tfserve.serving.repository import LoadedModel, ModelRepository, ModelStatus
+from tfserve.serving.repository import ModelRepository, ModelStatus
 from tfserve.serving.requests import (
     EncodeInput,
     OptionFields,

@@ -43,7 +43,7 @@ from tfserve.serving.tracing import (  # opentelemetry only when on
 )
 
 if TYPE_CHECKING:
-    from tfserve.serving.repository import LoadedModel
+    from tfserve.serving.loaded import LoadedModel
 
 REQUEST_ID_KEY = "x-request-id"  # the metadata key (or HTTP header) that carries the id
 # how a call that its client ended shows up: the handler's task is cancelled, or the

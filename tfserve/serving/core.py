@@ -23,8 +23,9 @@ from typing import Any
 from tfserve.metrics import Metrics
 from tfserve.scheduler import Scheduler
 from tfserve.serving.calls import Call, Calls
+from tfserve.serving.loaded import LoadedModel
 from tfserve.serving.model_info import ModelInfo, model_info
-from tfserve.serving.repository import LoadedModel, ModelRepository, ModelStatus
+from tfserve.serving.repository import ModelRepository, ModelStatus
 from tfserve.serving.requests import Submitter
 from tfserve.serving.tracing import start_tracing
 from tfserve.settings import ServerConfig

@@ -34,75 +34,30 @@ decoded beside a saturated one rather than behind it.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tfserve.metrics import Metrics
-from tfserve.scheduler import Scheduler
+from tfserve.serving.loaded import (
+    LoadedModel,
+    Loader,
+    release_freed_memory,
+    runtime_entry,
+    runtime_loader,
+)
 from tfserve.serving.model_scan import Entry, scan, single_entry
-from tfserve.serving.requests import InvalidArgument, Submitter, shown
+from tfserve.serving.requests import InvalidArgument, shown
 from tfserve.serving.status import ModelCapacity, ModelLoadFailed, ModelNotFound
 from tfserve.settings import ServerConfig
 
 log = logging.getLogger("tfserve.server")
 
-Loader = Callable[[Entry], Any]  # an entry -> its runtime (Backend + tokenizer, config, ...)
 HealthListener = Callable[[str, str], None]  # (model, SERVING | NOT_SERVING | SERVICE_UNKNOWN)
 MAX_NAMES_SHOWN = 20  # models named in a NOT_FOUND message
-
-
-def runtime_loader(config: ServerConfig) -> Loader:
-    """Loads an entry on ONNX Runtime with --device and --threads."""
-
-    def load(entry: Entry) -> Any:
-        if entry.manifest_error:
-            raise ValueError(entry.manifest_error)
-        from tfserve.runtime import Runtime
-
-        return Runtime(entry.path, device=config.device, intra_op_threads=config.threads)
-
-    return load
-
-
-class LoadedModel:
-    """One loaded version of a model: runtime, scheduler, submitter, requests in flight.
-
-    `retired` says why this version no longer takes new requests ("replaced" by a new
-    version, "removed" from the repository); it unloads once `in_flight` is 0.
-    """
-
-    def __init__(self, entry: Entry, runtime: Any, config: ServerConfig,
-                 metrics: Metrics) -> None:
-        limit = runtime.max_target_positions - 1
-        if config.default_max_new_tokens > limit:
-            raise ValueError(f"--default-max-new-tokens {config.default_max_new_tokens} is "
-                             f"over the model's limit of {limit} new tokens")
-        self.entry = entry
-        self.name = entry.name
-        self.version = entry.version
-        self.memory_bytes = entry.memory_bytes
-        self.runtime = runtime
-        self.scheduler = Scheduler(runtime, config.scheduler_config(),
-                                   metrics.for_model(entry.name))
-        self.submitter = Submitter(runtime, config, self.scheduler)
-        self.decode = runtime.tokenizer.decode
-        self.in_flight = 0
-        self.last_used = 0.0
-        self.retired = ""
-
-    def close(self) -> None:
-        """Stop the scheduler's worker (requests still queued fail Unavailable); the runtime
-        goes with the last reference to it."""
-        self.scheduler.stop()
-
-    def __repr__(self) -> str:
-        return f"LoadedModel({self.name!r}, version={self.version!r})"
 
 
 class ModelSlot:
@@ -211,7 +166,7 @@ class ModelRepository:
             repository._warned = warned
             return repository
         if runtime is not None:
-            entry = _runtime_entry(runtime, config.model)
+            entry = runtime_entry(runtime, config.model)
             return cls(config, metrics, {entry.name: entry}, loader,
                        preloaded={entry.name: runtime}, strict=True)
         path = config.model
@@ -433,7 +388,7 @@ class ModelRepository:
         own `loading_entry` included); ModelCapacity when they cannot."""
         limit = self.config.max_model_memory
         if limit and entry.memory_bytes > limit:
-            raise self._refused(slot, entry, ModelCapacity(
+            raise _refused(entry, ModelCapacity(
                 f"model {entry.name!r} is counted for {entry.memory_bytes} bytes (the size of "
                 f"its files), over --max-model-memory {limit}"))
         while True:
@@ -446,13 +401,9 @@ class ModelRepository:
             elif self._closing:  # versions being unloaded: their memory is freed soon
                 await asyncio.wait(set(self._closing.values()))
             else:
-                raise self._refused(slot, entry, ModelCapacity(
+                raise _refused(entry, ModelCapacity(
                     f"model {entry.name!r} cannot be loaded now: {over} and every loaded model "
                     "has requests in flight; retry later"))
-
-    def _refused(self, slot: ModelSlot, entry: Entry, exc: ModelCapacity) -> ModelCapacity:
-        log.warning("model %s: version %s not loaded: %s", entry.name, entry.version, exc)
-        return exc
 
     def _least_recently_used(self, exclude: ModelSlot) -> ModelSlot | None:
         """The loaded slot used longest ago with nothing in flight, nothing waiting and
@@ -635,32 +586,7 @@ class ModelRepository:
         return out
 
 
-def _runtime_entry(runtime: Any, path: Path | None) -> Entry:
-    """The entry of a runtime built by the caller: named after `path` (--model) or the
-    runtime's directory, versioned from its files when they can be read."""
-    where = path if path is not None else getattr(runtime, "directory", None)
-    config = runtime.config
-    if where is not None:
-        try:
-            entry = single_entry(Path(where))
-            return replace(entry, model_name=config.name,
-                           source_language=config.source_language,
-                           target_language=config.target_language, manifest_error="")
-        except OSError:
-            pass
-    name = Path(where).resolve().name if where is not None else "model"
-    return Entry(name, Path(where or "."), "", 0, config.name, config.source_language,
-                 config.target_language)
-
-
-def release_freed_memory() -> None:
-    """Free an unloaded model's memory and hand it back to the kernel. The model's objects
-    hold reference cycles (the scheduler and its parts), so they go with a collection, not
-    with their last reference; then glibc's malloc_trim, as the server otherwise keeps freed
-    memory for reuse (tfserve.process.keep_freed_memory) and in the heap of the thread that
-    loaded the model, where another model's load would not find it."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+def _refused(entry: Entry, exc: ModelCapacity) -> ModelCapacity:
+    """A load refused for want of room: logged, and raised to the requests waiting for it."""
+    log.warning("model %s: version %s not loaded: %s", entry.name, entry.version, exc)
+    return exc

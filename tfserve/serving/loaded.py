@@ -1,0 +1,101 @@
+"""One loaded version of a model (`LoadedModel`: its runtime, its own scheduler and the
+submitter that checks requests against it), how a repository entry becomes one
+(`runtime_loader`), and how an unloaded one gives its memory back (`release_freed_memory`).
+tfserve.serving.repository decides when models load and unload.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tfserve.metrics import Metrics
+from tfserve.scheduler import Scheduler
+from tfserve.serving.model_scan import Entry, single_entry
+from tfserve.serving.requests import Submitter
+from tfserve.settings import ServerConfig
+
+Loader = Callable[[Entry], Any]  # an entry -> its runtime (Backend + tokenizer, config, ...)
+
+
+def runtime_loader(config: ServerConfig) -> Loader:
+    """Loads an entry on ONNX Runtime with --device and --threads."""
+
+    def load(entry: Entry) -> Any:
+        if entry.manifest_error:
+            raise ValueError(entry.manifest_error)
+        from tfserve.runtime import Runtime
+
+        return Runtime(entry.path, device=config.device, intra_op_threads=config.threads)
+
+    return load
+
+
+class LoadedModel:
+    """One loaded version of a model: runtime, scheduler, submitter, requests in flight.
+
+    `retired` says why this version no longer takes new requests ("replaced" by a new
+    version, "removed" from the repository); it unloads once `in_flight` is 0.
+    """
+
+    def __init__(self, entry: Entry, runtime: Any, config: ServerConfig,
+                 metrics: Metrics) -> None:
+        limit = runtime.max_target_positions - 1
+        if config.default_max_new_tokens > limit:
+            raise ValueError(f"--default-max-new-tokens {config.default_max_new_tokens} is "
+                             f"over the model's limit of {limit} new tokens")
+        self.entry = entry
+        self.name = entry.name
+        self.version = entry.version
+        self.memory_bytes = entry.memory_bytes
+        self.runtime = runtime
+        self.scheduler = Scheduler(runtime, config.scheduler_config(),
+                                   metrics.for_model(entry.name))
+        self.submitter = Submitter(runtime, config, self.scheduler)
+        self.decode = runtime.tokenizer.decode
+        self.in_flight = 0
+        self.last_used = 0.0
+        self.retired = ""
+
+    def close(self) -> None:
+        """Stop the scheduler's worker (requests still queued fail Unavailable); the runtime
+        goes with the last reference to it."""
+        self.scheduler.stop()
+
+    def __repr__(self) -> str:
+        return f"LoadedModel({self.name!r}, version={self.version!r})"
+
+
+def runtime_entry(runtime: Any, path: Path | None) -> Entry:
+    """The entry of a runtime built by the caller: named after `path` (--model) or the
+    runtime's directory, versioned from its files when they can be read."""
+    where = path if path is not None else getattr(runtime, "directory", None)
+    config = runtime.config
+    if where is not None:
+        try:
+            entry = single_entry(Path(where))
+            return replace(entry, model_name=config.name,
+                           source_language=config.source_language,
+                           target_language=config.target_language, manifest_error="")
+        except OSError:
+            pass
+    name = Path(where).resolve().name if where is not None else "model"
+    return Entry(name, Path(where or "."), "", 0, config.name, config.source_language,
+                 config.target_language)
+
+
+def release_freed_memory() -> None:
+    """Free an unloaded model's memory and hand it back to the kernel. The model's objects
+    hold reference cycles (the scheduler and its parts), so they go with a collection, not
+    with their last reference; then glibc's malloc_trim, as the server otherwise keeps freed
+    memory for reuse (tfserve.process.keep_freed_memory) and in the heap of the thread that
+    loaded the model, where another model's load would not find it."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
