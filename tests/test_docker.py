@@ -446,8 +446,12 @@ def test_dockerfile_shape(path: Path) -> None:
         "a test substitutes BASE: the first two lines are `ARG BASE=...`, `FROM ${BASE}`"
     assert "python3 -m venv" in text
     env = _dockerfile_env(text)
-    unknown = {k for k in env if k.startswith("TFSERVE_")} - _server_env_names()
+    # TFSERVE_CACHE: where the bundled demo is found (tfserve.demo), served without a model
+    unknown = {k for k in env if k.startswith("TFSERVE_")} - _server_env_names() - {
+        "TFSERVE_CACHE"}
     assert not unknown, f"not server env vars: {unknown}"
+    assert "TFSERVE_MODEL" not in env, "a default TFSERVE_MODEL would conflict with a " \
+        "TFSERVE_MODEL_REPOSITORY given to `docker run`"
     assert env["TFSERVE_PORT"] == str(GRPC_PORT) and env["TFSERVE_METRICS_PORT"] == str(
         METRICS_PORT)
     assert f"EXPOSE {GRPC_PORT} {METRICS_PORT} {HTTP_PORT}" in text
