@@ -1,16 +1,18 @@
 """Decoding controls for multilingual models, checked against transformers' generate().
 
 prefix_token_ids (forced leading tokens: a target-language token as transformers'
-forced_bos_token_id, a target prefix as its decoder_input_ids), repetition_penalty and
-no_repeat_ngram_size, on a random MarianMT checkpoint built here (tests/marian_helpers.py)
-and exported with `python -m export --from-hf`: greedy and beam-4 on 50 inputs give
-MarianMTModel.generate's tokens (and beam scores), over ONNX Runtime and the eager model;
-requests with different controls decoded together in one continuous batch give what they
-give alone; the limits are refused with the field named.
+forced_bos_token_id, a target prefix as its decoder_input_ids), repetition_penalty,
+no_repeat_ngram_size, forced_eos (forced_eos_token_id at the length limit),
+decoder_start_token_id and early_stopping "never", on a random MarianMT checkpoint built
+here (tests/marian_helpers.py) and exported with `python -m export --from-hf`: greedy and
+beam-4 on 50 inputs give MarianMTModel.generate's tokens (and beam scores), over ONNX
+Runtime and the eager model; requests with different controls decoded together in one
+continuous batch give what they give alone; the limits are refused with the field named.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable
@@ -101,19 +103,20 @@ def hf_generate(model, batch: dict[str, torch.Tensor], rows: list[int], num_beam
     """MarianMTModel.generate's tokens for sources `rows` (the start token, eos and padding
     removed; a decoder_input_ids prefix stays) and, for beams, its sequence scores.
 
-    Everything that tfserve's options do not say is pinned: no sampling, length_penalty 1,
-    early_stopping off, no forced eos at max_length (tfserve.generation does not force it);
-    the checkpoint's bad_words_ids [[pad]] stays (tfserve never produces pad either).
+    Everything that tfserve's options do not say is pinned (settings may change it): no
+    sampling, length_penalty 1, early_stopping off, no forced eos at max_length (the
+    checkpoint's forced_eos_token_id: DecodingOptions.forced_eos is off by default); the
+    checkpoint's bad_words_ids [[pad]] stays (tfserve never produces pad either).
     """
     index = torch.tensor(rows)
     settings = {"forced_eos_token_id": None, "max_new_tokens": MAX_NEW_TOKENS,
-                "min_new_tokens": 0, **settings}
+                "min_new_tokens": 0, "length_penalty": 1.0, "early_stopping": False,
+                **settings}
     with torch.no_grad():
         out = model.generate(input_ids=batch["input_ids"][index],
                              attention_mask=batch["attention_mask"][index],
-                             do_sample=False, num_beams=num_beams, length_penalty=1.0,
-                             early_stopping=False, return_dict_in_generate=True,
-                             output_scores=True, **settings)
+                             do_sample=False, num_beams=num_beams,
+                             return_dict_in_generate=True, output_scores=True, **settings)
     eos = model.config.eos_token_id
     tokens = []
     for row in out.sequences[:, 1:].tolist():
@@ -393,6 +396,49 @@ def test_scheduler_mixes_controls_and_streams_the_prefix():
     assert streamed[:2] == [3, 4] and streamed == jobs[0].result(0)[0][0].token_ids
 
 
+def test_scheduler_honours_start_tokens_and_forced_eos():
+    """Through the server's scheduler (on the numpy fake backend): requests with their own
+    decoder start token and with forced eos arrive at different passes and each gets its
+    answer alone; the start token changes a beam search's answer; the forced eos is not
+    streamed; a start token outside the vocabulary is refused at submit, naming the field."""
+    from fake_backend import EOS, VOCAB
+    from test_scheduler import alone, answer, drive, make_scheduler
+
+    scheduler = make_scheduler()
+    with pytest.raises(ValueError, match=r"decoder_start_token_id must be in \[0, 15\] \(a "
+                                         r"token id of the model\), got 16"):
+        scheduler.submit_translate([[5, 9, EOS]], DecodingOptions(decoder_start_token_id=VOCAB))
+    requests = [
+        ([5, 9, EOS], DecodingOptions(max_new_tokens=12, num_beams=3, num_return_sequences=3,
+                                      decoder_start_token_id=2)),
+        ([5, 9, EOS], DecodingOptions(max_new_tokens=12, num_beams=3, num_return_sequences=3,
+                                      decoder_start_token_id=4)),
+        ([12, 3, 3, EOS], DecodingOptions(max_new_tokens=4, forced_eos=True,
+                                          decoder_start_token_id=7)),
+        ([13, 8, EOS], DecodingOptions(max_new_tokens=4, num_beams=2, forced_eos=True,
+                                       min_new_tokens=4)),
+        ([6, 2, EOS], DecodingOptions(max_new_tokens=4, do_sample=True, seed=5,
+                                      forced_eos=True, num_return_sequences=2)),
+        ([5, 9, EOS], DecodingOptions(max_new_tokens=12, num_beams=3, num_return_sequences=3)),
+    ]
+    events: list = []
+    jobs = []
+    for index, (source, options) in enumerate(requests):
+        jobs.append(scheduler.submit_translate(
+            [source], options, on_event=events.append if index == 2 else None))
+        scheduler.run_once()  # the next one arrives while these decode
+    drive(scheduler, jobs)
+    answers = [answer(job) for job in jobs]
+    for got, (source, options) in zip(answers, requests, strict=True):
+        assert got == alone(source, options), options
+    assert answers[0] != answers[1] != answers[5]  # the fake model reads the input token
+    for got in answers[2:5]:  # cut by the forced eos: max_new_tokens - 1 tokens, finished
+        assert all(len(tokens) == 3 for hyps in got for tokens, _ in hyps)
+    assert all(h.finished for job in jobs[2:5] for hyps in job.result(0) for h in hyps)
+    streamed = [token for event in events for token in event.token_ids]
+    assert streamed == jobs[2].result(0)[0][0].token_ids and EOS not in streamed
+
+
 # -- the pieces on their own ----------------------------------------------------------------
 
 
@@ -446,6 +492,18 @@ def test_fast_path_unchanged_without_controls():
                     DecodingOptions(no_repeat_ngram_size=2, num_beams=2),
                     DecodingOptions(no_repeat_ngram_size=2, do_sample=True)):
         assert make_search(options, 0, 5).top_needed() == 0
+    # forced eos: the candidates as without it, none needed at the forced step
+    ending = make_search(DecodingOptions(num_beams=3, max_new_tokens=2, forced_eos=True,
+                                         num_return_sequences=2), 0, 5)
+    assert (ending.top_needed(), ending.candidates_per_row()) == (6, 7)
+    ending.advance_candidates(ids, log_probs)
+    assert (ending.ending, ending.top_needed(), ending.candidates_per_row()) == (True, 1, 0)
+    ending.advance_candidates(ids[:, :1], log_probs[:, :1])
+    assert ending.done and [(h.token_ids, h.score) for h in ending.results()] == [
+        ([3], pytest.approx(-0.1 / 2)), ([9], -2.0 / 2)]  # scores / max_new_tokens
+    # a start token of the request's own is the first step's input, and in the history
+    started = make_search(DecodingOptions(decoder_start_token_id=7), 0, 5)
+    assert started.last_tokens.tolist() == [7] and started.histories().tolist() == [[7]]
 
 
 def test_sampling_applies_the_controls_to_the_logits(backends, sources):
@@ -470,6 +528,175 @@ def test_sampling_applies_the_controls_to_the_logits(backends, sources):
         assert len(hyps) == 4
         for hyp in hyps:
             assert hyp.token_ids[0] == 7 and not repeats([start, *hyp.token_ids], 1)
+
+
+# -- forced eos at the length limit ----------------------------------------------------------
+
+EOS_LIMIT = 8  # max_new_tokens of the forced-eos comparisons: many outputs reach it
+FORCED_EOS_CASES = ["plain", "min_new_tokens", "length_penalty=2", "length_penalty=-0.5",
+                    "forced_bos", "prefix"]
+
+
+def forced_eos_groups(name: str, num_beams: int, vocab: dict[str, int]) -> list[Group]:
+    """Groups as case_groups' with forced eos at EOS_LIMIT new tokens on both sides:
+    transformers' forced_eos_token_id = eos, tfserve's forced_eos."""
+    eos = vocab["</s>"]
+    hf = dict(forced_eos_token_id=eos, max_new_tokens=EOS_LIMIT)
+    ours = dict(forced_eos=True, max_new_tokens=EOS_LIMIT, num_beams=num_beams)
+    if name == "plain":
+        return [(ALL, hf, DecodingOptions(**ours))]
+    if name == "min_new_tokens":  # eos banned until the forced one, which overrides the ban
+        return [(ALL, dict(hf, min_new_tokens=EOS_LIMIT),
+                 DecodingOptions(**ours, min_new_tokens=EOS_LIMIT))]
+    if name.startswith("length_penalty"):
+        penalty = float(name.split("=")[1])
+        return [(ALL, dict(hf, length_penalty=penalty),
+                 DecodingOptions(**ours, length_penalty=penalty))]
+    if name == "forced_bos":  # the forced first token counts as one of the EOS_LIMIT
+        codes = language_ids(vocab)
+        return [([r for r in ALL if r % len(codes) == i], dict(hf, forced_bos_token_id=code),
+                 DecodingOptions(**ours, prefix_token_ids=(code,), prefix_counts_as_new=True))
+                for i, code in enumerate(codes)]
+    prefixes = target_prefixes(vocab, SOURCES)  # decoder input: EOS_LIMIT tokens after it
+    groups = []
+    for length in (1, 2, 3):
+        rows = [r for r in ALL if len(prefixes[r]) == length]
+        decoder_input_ids = torch.tensor([[vocab["<pad>"], *prefixes[r]] for r in rows])
+        groups.append((rows, dict(hf, decoder_input_ids=decoder_input_ids),
+                       [DecodingOptions(**ours, prefix_token_ids=prefixes[r]) for r in rows]))
+    return groups
+
+
+def without_forced_eos(groups: list[Group]) -> list[Group]:
+    """The same groups with tfserve's forced_eos off."""
+    def off(options):
+        return [dataclasses.replace(o, forced_eos=False) for o in options] \
+            if isinstance(options, list) else dataclasses.replace(options, forced_eos=False)
+    return [(rows, settings, off(options)) for rows, settings, options in groups]
+
+
+@pytest.mark.parametrize("num_beams", [1, 4], ids=["greedy", "beam4"])
+@pytest.mark.parametrize("name", FORCED_EOS_CASES)
+def test_forced_eos_matches_transformers(name, num_beams, checkpoint, backends, sources):
+    """forced_eos equals generate(forced_eos_token_id=eos) on 50 inputs at a limit that
+    many reach: tokens, and for beams the scores (the forced eos adds 0, the length
+    penalty divides by max_new_tokens); with min_new_tokens = max_new_tokens every output
+    has max_new_tokens - 1 tokens; a forced first token counts as a new token, a target
+    prefix does not."""
+    model, vocab = checkpoint[1], checkpoint[2]
+    backend = backends["onnxruntime"]
+    groups = forced_eos_groups(name, num_beams, vocab)
+    ours = tfserve_results(backend, sources, groups)
+    plain = tfserve_results(backend, sources, without_forced_eos(groups))
+    ended = changed = 0
+    prefixes = target_prefixes(vocab, SOURCES)
+    for (rows, settings, _), (_, hyps), (_, cut) in zip(groups, ours, plain, strict=True):
+        expected, scores = hf_generate(model, sources, rows, num_beams, **settings)
+        got = [h[0].token_ids for h in hyps]
+        bad = [i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b]
+        assert not bad, (f"{name}, {num_beams} beams: {len(bad)}/{len(rows)} differ, source "
+                         f"{rows[bad[0]]}: ours {got[bad[0]]} transformers {expected[bad[0]]}")
+        if scores is not None:
+            np.testing.assert_allclose([h[0].score for h in hyps], scores, atol=1e-4, rtol=0)
+        assert all(h.finished for hs in hyps for h in hs)  # every output ends with eos
+        for row, tokens, without in zip(rows, got, cut, strict=True):
+            new = len(tokens) - (len(prefixes[row]) if name == "prefix" else 0)
+            assert new <= EOS_LIMIT - 1
+            if name == "min_new_tokens":
+                assert new == EOS_LIMIT - 1
+            ended += new == EOS_LIMIT - 1
+            changed += tokens != without[0].token_ids
+    # meaningful: many outputs end at the forced eos, where tfserve without it differs
+    assert ended >= 10 and changed >= 10, (ended, changed)
+
+
+def test_forced_eos_takes_the_place_of_a_counted_prefix(checkpoint, backends, sources):
+    """max_new_tokens 1 with a forced first token: transformers' forced eos wins (its
+    ForcedEOSTokenLogitsProcessor runs after ForcedBOS), so the output is empty."""
+    model, vocab = checkpoint[1], checkpoint[2]
+    code = language_ids(vocab)[0]
+    rows = list(range(6))
+    for num_beams in (1, 4):
+        expected, _ = hf_generate(model, sources, rows, num_beams, max_new_tokens=1,
+                                  forced_bos_token_id=code, forced_eos_token_id=vocab["</s>"])
+        options = DecodingOptions(max_new_tokens=1, num_beams=num_beams, forced_eos=True,
+                                  prefix_token_ids=(code,), prefix_counts_as_new=True)
+        got = tfserve_results(backends["onnxruntime"], sources, [(rows, {}, options)])[0][1]
+        assert [h[0].token_ids for h in got] == expected == [[]] * len(rows)
+        without = dataclasses.replace(options, forced_eos=False)
+        got = tfserve_results(backends["onnxruntime"], sources, [(rows, {}, without)])[0][1]
+        assert [h[0].token_ids for h in got] == [[code]] * len(rows)
+
+
+def test_forced_eos_in_sampling(backends, sources):
+    """top_k=1 sampling with forced_eos is greedy search with it (tokens and scores); hot
+    samples all end with eos by max_new_tokens, from the first step on too (max_new_tokens
+    1: num_return_sequences empty outputs)."""
+    backend = backends["onnxruntime"]
+    ids, mask = sources["input_ids"][:20].numpy(), sources["attention_mask"][:20].numpy()
+    forced = dict(forced_eos=True, max_new_tokens=EOS_LIMIT)
+    greedy = generate(backend, ids, mask, DecodingOptions(**forced))
+    sampled = generate(backend, ids, mask, DecodingOptions(**forced, do_sample=True, top_k=1,
+                                                           seed=1))
+    assert [h[0].token_ids for h in sampled] == [h[0].token_ids for h in greedy]
+    np.testing.assert_allclose([h[0].score for h in sampled], [h[0].score for h in greedy],
+                               atol=1e-5)
+    hot = generate(backend, ids, mask, DecodingOptions(**forced, do_sample=True,
+                                                       temperature=3.0,
+                                                       num_return_sequences=3, seed=2))
+    lengths = [len(h.token_ids) for hyps in hot for h in hyps]
+    assert all(len(hyps) == 3 and all(h.finished for h in hyps) for hyps in hot)
+    assert max(lengths) == EOS_LIMIT - 1 and sum(n == EOS_LIMIT - 1 for n in lengths) >= 5
+    first = generate(backend, ids[:3], mask[:3], DecodingOptions(
+        forced_eos=True, max_new_tokens=1, do_sample=True, num_return_sequences=2, seed=3))
+    assert [[(h.token_ids, h.score, h.finished) for h in hyps] for hyps in first] == \
+        [[([], 0.0, True)] * 2] * 3
+
+
+# -- early_stopping "never" -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def eos_prone(checkpoint, tmp_path_factory) -> tuple[Any, Any]:
+    """(MarianMTModel, tfserve's eager backend) of the checkpoint's sizes and vocabulary with
+    eos raised: beams finish early, so when the search stops matters."""
+    _, _, vocab = checkpoint
+    source = mh.train_spm(mh.corpus(mh.SOURCE_WORDS, 300, seed=0), 110)
+    target = mh.train_spm(mh.corpus(mh.TARGET_WORDS, 300, seed=1), 90)
+    directory = tmp_path_factory.mktemp("hf") / "opus-mt-eos"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mh.write_checkpoint(directory, source, target, vocab, seed=3, eos_boost=3.0,
+                                    d_model=18, encoder_attention_heads=3,
+                                    decoder_attention_heads=3, encoder_layers=1,
+                                    decoder_layers=2, encoder_ffn_dim=37, decoder_ffn_dim=37,
+                                    max_position_embeddings=48)
+    return model, EagerBackend(import_hf(directory).model)
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 2.0, -1.0])
+def test_early_stopping_never_matches_transformers(length_penalty, eos_prone, sources):
+    """Beam-4 with early_stopping "never" and with False each equal generate() with the
+    same setting (tokens and scores), on a model whose beams finish early. With a positive
+    length_penalty "never" scores the running beams at max_new_tokens, so it searches on
+    where False stops and returns other outputs; with a negative one it is False."""
+    model, backend = eos_prone
+    outputs = {}
+    for stopping in ("never", False):
+        options = DecodingOptions(max_new_tokens=30, num_beams=4, length_penalty=length_penalty,
+                                  early_stopping=stopping)
+        got = tfserve_results(backend, sources, [(ALL, {}, options)])[0][1]
+        expected, scores = hf_generate(model, sources, ALL, 4, early_stopping=stopping,
+                                       max_new_tokens=30, length_penalty=length_penalty)
+        tokens = [h[0].token_ids for h in got]
+        bad = [i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b]
+        assert not bad, (f"early_stopping={stopping!r}: {len(bad)}/{SOURCES} differ, source "
+                         f"{bad[0]}: ours {tokens[bad[0]]} transformers {expected[bad[0]]}")
+        # float32 sums (transformers) against float64 ones, times length ** -length_penalty
+        np.testing.assert_allclose([h[0].score for h in got], scores, atol=1e-4, rtol=1e-6)
+        outputs[stopping] = tokens
+    changed = sum(a != b for a, b in zip(outputs["never"], outputs[False], strict=True))
+    assert changed >= 5 if length_penalty > 0 else changed == 0, changed
 
 
 # -- limits ---------------------------------------------------------------------------------
@@ -498,6 +725,16 @@ def test_sampling_applies_the_controls_to_the_logits(backends, sources):
     (dict(prefix_token_ids=(1, 2, 3), prefix_counts_as_new=True, max_new_tokens=2),
      "max_new_tokens must be >= the 3 tokens of prefix_token_ids"),
     (dict(prefix_counts_as_new="yes"), "prefix_counts_as_new must be a boolean"),
+    (dict(forced_eos="yes"), "forced_eos must be a boolean, got 'yes'"),
+    (dict(forced_eos=1), "forced_eos must be a boolean, got 1"),
+    (dict(early_stopping="always"), 'early_stopping must be true, false or "never", got '
+                                     "'always'"),
+    (dict(early_stopping=None), 'early_stopping must be true, false or "never"'),
+    (dict(decoder_start_token_id=100), "decoder_start_token_id must be in [0, 99] (a token id "
+                                       "of the model), got 100"),
+    (dict(decoder_start_token_id=-1), "decoder_start_token_id must be in [0, 99]"),
+    (dict(decoder_start_token_id=2.0), "decoder_start_token_id must be an integer, got 2.0"),
+    (dict(decoder_start_token_id=True), "decoder_start_token_id must be an integer"),
 ])
 def test_limits_are_refused_naming_the_field(overrides, needle):
     with pytest.raises(ValueError) as error:
@@ -517,7 +754,10 @@ def test_limits_within_bounds_and_defaults():
     listed = DecodingOptions(prefix_token_ids=[np.int64(4), 5], max_new_tokens=3)
     assert listed.validate(limit).prefix_token_ids == (4, 5)  # a tuple of ints
     ready = DecodingOptions(max_new_tokens=5, prefix_token_ids=(4,), repetition_penalty=10,
-                            no_repeat_ngram_size=64)
-    assert ready.validate(limit) is ready
+                            no_repeat_ngram_size=64, forced_eos=True, early_stopping="never",
+                            decoder_start_token_id=99)
+    assert ready.validate(limit, vocab_size=100) is ready
+    assert (options.forced_eos, options.early_stopping, options.decoder_start_token_id) == (
+        False, False, None)
     with pytest.raises(ValueError, match="prefix_token_ids must not contain the eos"):
         make_search(DecodingOptions(prefix_token_ids=(2, 0)), 0, 5)

@@ -13,12 +13,15 @@ manifest; teacher-forced logits (eager and ONNX, all at once and step by step th
 KV cache) within 1e-5 of the logits' scale; greedy and beam-4 tokens of `generate` on 50
 inputs decoded in one batch whose rows go into different target languages, with target
 prefixes, repetition_penalty and no_repeat_ngram_size mixed in; the same inputs joining a
-running batch at different steps; the Translator's languages, generation defaults and
-errors; cache snapshot naming; refusals naming the field.
+running batch at different steps; mBART-cc25 into several languages (each request's own
+decoder start token) in one batch, a running batch and the scheduler; the forced eos at
+max_new_tokens from the generation defaults (mBART-50); the Translator's languages,
+generation defaults and errors; cache snapshot naming; refusals naming the field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -354,9 +357,11 @@ def test_pad_tokens_inside_a_source_take_no_position(checkpoints, runtimes):
 # -- search ---------------------------------------------------------------------------------
 
 
-def assignments(name: str, count: int) -> list[tuple[str, str, dict]]:
-    """Per input: (target language, control name, settings), cycling through both."""
-    targets = fh.LANGUAGES[name][1]
+def assignments(name: str, count: int, targets: tuple[str, ...] | None = None
+                ) -> list[tuple[str, str, dict]]:
+    """Per input: (target language, control name, settings), cycling through both (the
+    family's test targets unless given)."""
+    targets = targets or fh.LANGUAGES[name][1]
     out = []
     for index in range(count):
         control, settings = CONTROLS[(index // len(targets)) % len(CONTROLS)]
@@ -375,34 +380,60 @@ def hf_rows(tokenizer, sequences: torch.Tensor, pad: int, eos: int) -> list[list
 
 
 def hf_generate(checkpoint, name: str, batch, rows: list[int], target: str, settings: dict,
-                num_beams: int) -> list[list[int]]:
-    """transformers' generate on rows of the batch, into `target` with `settings`.
+                num_beams: int, max_new_tokens: int = MAX_NEW_TOKENS,
+                forced_eos: bool = False) -> list[list[int]]:
+    """transformers' generate on rows of the batch, into `target` with `settings`: the
+    target language forced first (forced_bos_token_id), or, for mBART-cc25, the token
+    decoding starts from (decoder_start_token_id).
 
     Everything that tfserve does differently is switched off: tfserve never produces the
-    pad token (bad_words_ids [[pad]]) and does not force eos at max_length
-    (forced_eos_token_id None); length_penalty 1.0, no early stopping."""
+    pad token (bad_words_ids [[pad]]); eos is forced at max_length only with forced_eos
+    (forced_eos_token_id eos, else None); length_penalty 1.0, no early stopping."""
     _, model, tokenizer = checkpoint
     config = model.config
     forced = None
+    start = config.decoder_start_token_id
     if name in ("nllb", "m2m100", "mbart50"):
         forced = tokenizer.convert_tokens_to_ids(f"__{target}__" if name == "m2m100" else target)
     elif name == "bart":
         forced = 0
-    kwargs = dict(do_sample=False, num_beams=num_beams, max_new_tokens=MAX_NEW_TOKENS,
-                  bad_words_ids=[[config.pad_token_id]], forced_eos_token_id=None,
+    elif name == "cc25" and target:
+        start = tokenizer.convert_tokens_to_ids(target)
+    kwargs = dict(do_sample=False, num_beams=num_beams, max_new_tokens=max_new_tokens,
+                  bad_words_ids=[[config.pad_token_id]],
+                  forced_eos_token_id=config.eos_token_id if forced_eos else None,
                   length_penalty=1.0, early_stopping=False, min_length=0,
                   repetition_penalty=settings.get("repetition_penalty", 1.0),
                   no_repeat_ngram_size=settings.get("no_repeat_ngram_size", 0),
-                  forced_bos_token_id=forced)
+                  forced_bos_token_id=forced, decoder_start_token_id=start)
     inputs = {key: value[rows] for key, value in batch.items()}
     if "target_prefix" in settings:
         prefix = tokenizer(settings["target_prefix"], add_special_tokens=False).input_ids
-        start = [config.decoder_start_token_id] + ([forced] if forced is not None else [])
-        inputs["decoder_input_ids"] = torch.tensor([start + prefix] * len(rows))
+        decoder_input = [start] + ([forced] if forced is not None else [])
+        inputs["decoder_input_ids"] = torch.tensor([decoder_input + prefix] * len(rows))
         kwargs["forced_bos_token_id"] = None
     with torch.no_grad():
         out = model.generate(**inputs, **kwargs)
     return hf_rows(tokenizer, out, config.pad_token_id, config.eos_token_id)
+
+
+def expected_outputs(checkpoint, name: str, batch, plan: list[tuple[str, str, dict]]
+                     ) -> dict[str, list[list[int]]]:
+    """transformers' greedy and beam-4 output per input of `plan`, each (target, control)
+    group in one generate call."""
+    expected: dict[str, list[list[int]]] = {}
+    for mode, beams in (("greedy", 1), ("beam4", 4)):
+        rows: list[list[int]] = [[] for _ in plan]
+        groups: dict[tuple[str, str], list[int]] = {}
+        for index, (target, control, _) in enumerate(plan):
+            groups.setdefault((target, control), []).append(index)
+        for (target, control), members in groups.items():
+            settings = dict(CONTROLS)[control]
+            for index, row in zip(members, hf_generate(checkpoint, name, batch, members,
+                                                       target, settings, beams)):
+                rows[index] = row
+        expected[mode] = rows
+    return expected
 
 
 @pytest.fixture(scope="module")
@@ -413,19 +444,7 @@ def searches(checkpoints):
     for name in fh.FAMILIES:
         _, batch = source_batch(checkpoints[name], COUNT, seed=5, name=name)
         plan = assignments(name, COUNT)
-        expected: dict[str, list[list[int]]] = {}
-        for mode, beams in (("greedy", 1), ("beam4", 4)):
-            rows: list[list[int]] = [[] for _ in range(COUNT)]
-            groups: dict[tuple[str, str], list[int]] = {}
-            for index, (target, control, _) in enumerate(plan):
-                groups.setdefault((target, control), []).append(index)
-            for (target, control), members in groups.items():
-                settings = dict(CONTROLS)[control]
-                for index, row in zip(members, hf_generate(checkpoints[name], name, batch,
-                                                           members, target, settings, beams)):
-                    rows[index] = row
-            expected[mode] = rows
-        out[name] = (batch, plan, expected)
+        out[name] = (batch, plan, expected_outputs(checkpoints[name], name, batch, plan))
     return out
 
 
@@ -488,16 +507,19 @@ def test_eager_search_matches_generate(name, searches, imported, runtimes):
     assert [r[0].token_ids for r in results] == expected["beam4"]
 
 
-@pytest.mark.parametrize("name", ["nllb", "m2m100", "cc25"])
-def test_continuous_batch_with_mixed_targets(name, searches, runtimes):
+def unpadded(batch) -> list[list[int]]:
+    """The batch's sources without their padding."""
+    return [[int(t) for t, m in zip(ids, mask) if m] for ids, mask in
+            zip(batch["input_ids"].tolist(), batch["attention_mask"].tolist())]
+
+
+def continuous_batch(runtime, name: str, batch, plan) -> tuple[dict[int, str],
+                                                                 dict[int, list[int]]]:
     """One DecodeBatch: groups of inputs (greedy and beam 4 alternating, each with its own
-    target language and controls) join a running batch at steps 0, 3, 7, 11 and 16; every
-    input gets generate's answer for it alone."""
-    runtime = runtimes[name]
-    batch, plan, expected = searches[name]
-    rows = list(range(COUNT))
-    sources = [[int(t) for t, m in zip(ids, mask) if m] for ids, mask in
-               zip(batch["input_ids"].tolist(), batch["attention_mask"].tolist())]
+    target language and controls) join a running batch at steps 0, 3, 7, 11 and 16.
+    Returns each input's mode and its output's tokens."""
+    rows = list(range(len(plan)))
+    sources = unpadded(batch)
     modes = {row: "beam4" if row % 2 else "greedy" for row in rows}
     joins = {step: rows[10 * k: 10 * k + 10] for k, step in enumerate((0, 3, 7, 11, 16))}
     decode = DecodeBatch(runtime)
@@ -517,22 +539,177 @@ def test_continuous_batch_with_mixed_targets(name, searches, runtimes):
             assert search.error is None
             results[tag] = search.results()[0].token_ids
         step += 1
+    return modes, results
+
+
+@pytest.mark.parametrize("name", ["nllb", "m2m100", "cc25"])
+def test_continuous_batch_with_mixed_targets(name, searches, runtimes):
+    """Inputs joining a running batch at different steps (`continuous_batch`): every input
+    gets generate's answer for it alone."""
+    batch, plan, expected = searches[name]
+    modes, results = continuous_batch(runtimes[name], name, batch, plan)
+    rows = range(COUNT)
     assert {row: results[row] for row in rows} == {row: expected[modes[row]][row]
                                                    for row in rows}
+
+
+# -- mBART-cc25: a request's target language is the token its decoding starts from ---------
+
+CC25_TARGETS = ("de_DE", "ro_RO", "fr_XX")  # fr_XX: the checkpoint's own start token
+
+
+@pytest.fixture(scope="module")
+def cc25_searches(checkpoints):
+    """(50 sources, per input (target among CC25_TARGETS, control, settings), transformers'
+    greedy and beam-4 output per input with decoder_start_token_id = its target language,
+    and every source's greedy output into de_DE and into ro_RO)."""
+    checkpoint = checkpoints["cc25"]
+    _, batch = source_batch(checkpoint, COUNT, seed=5, name="cc25")
+    plan = assignments("cc25", COUNT, CC25_TARGETS)
+    into = {target: hf_generate(checkpoint, "cc25", batch, list(range(COUNT)), target, {}, 1)
+            for target in CC25_TARGETS[:2]}
+    return batch, plan, expected_outputs(checkpoint, "cc25", batch, plan), into
+
+
+@pytest.mark.parametrize("mode", ["greedy", "beam4"])
+def test_cc25_decodes_into_each_requests_language(mode, cc25_searches, runtimes):
+    """mBART-cc25 into de_DE, ro_RO and fr_XX (the model's own) in one batch, with target
+    prefixes and controls mixed in: the requests' options (translation_inputs, as every
+    front end builds them) start from their language's token, and every output equals
+    generate(decoder_start_token_id=<language>) and tfserve's output for the input alone."""
+    runtime = runtimes["cc25"]
+    batch, plan, expected, into = cc25_searches
+    beams = 4 if mode == "beam4" else 1
+    per_source = [options_for(runtime, runtime.tokenizer, "cc25", target, settings, beams)
+                  for target, _, settings in plan]
+    codes = runtime.tokenizer.languages.codes
+    assert [o.decoder_start_token_id for o in per_source] == [
+        None if target == "fr_XX" else codes[target] for target, _, _ in plan]
+    assert codes["fr_XX"] == runtime.decoder_start_token_id
+    ids, mask = batch["input_ids"].numpy(), batch["attention_mask"].numpy()
+    ours = [r[0].token_ids for r in generate(runtime, ids, mask, per_source)]
+    mismatches = [i for i, (a, b) in enumerate(zip(ours, expected[mode], strict=True)) if a != b]
+    assert not mismatches, (f"{len(mismatches)}/{COUNT} differ, first {mismatches[0]} "
+                            f"{plan[mismatches[0]][:2]}: ours {ours[mismatches[0]]} "
+                            f"transformers {expected[mode][mismatches[0]]}")
+    sources = unpadded(batch)
+    for row, options in enumerate(per_source):
+        alone = generate(runtime, np.array([sources[row]]), np.ones((1, len(sources[row])),
+                                                                    np.int64), options)
+        assert alone[0][0].token_ids == ours[row], row
+    # meaningful: the start token decides the language, so outputs differ by target
+    differ = sum(a != b for a, b in zip(into["de_DE"], into["ro_RO"], strict=True))
+    assert differ >= 10, differ
+    assert len({tuple(t) for t in ours}) >= 15
+
+
+def test_cc25_languages_join_a_running_batch(cc25_searches, runtimes):
+    """The cc25 requests joining a running batch at different steps (`continuous_batch`):
+    each row's first input is its own language's token, and every input gets generate's
+    answer for it."""
+    batch, plan, expected, _ = cc25_searches
+    modes, results = continuous_batch(runtimes["cc25"], "cc25", batch, plan)
+    rows = range(COUNT)
+    assert {row: results[row] for row in rows} == {row: expected[modes[row]][row]
+                                                   for row in rows}
+
+
+def test_cc25_languages_through_the_scheduler(cc25_searches, runtimes):
+    """The server's scheduler: requests into different languages, arriving while others
+    decode, each get generate's answer (the scheduler's searches start from each request's
+    token); a start token outside the vocabulary is refused at submit, naming the field."""
+    from test_scheduler import drive
+
+    from tfserve.scheduler import Scheduler, SchedulerConfig
+
+    runtime = runtimes["cc25"]
+    batch, plan, expected, _ = cc25_searches
+    sources = unpadded(batch)
+    scheduler = Scheduler(runtime, SchedulerConfig(max_batch_size=16, max_wait_ms=0.0,
+                                                   wave_wait_steps=0))
+    with pytest.raises(ValueError, match="decoder_start_token_id must be in"):
+        scheduler.submit_translate([sources[0]], dataclasses.replace(
+            options_for(runtime, runtime.tokenizer, "cc25", "de_DE", {}, 1),
+            decoder_start_token_id=runtime.vocab_size))
+    rows = list(range(12))
+    jobs = []
+    for row in rows:
+        mode = "beam4" if row % 3 == 2 else "greedy"
+        options = options_for(runtime, runtime.tokenizer, "cc25", plan[row][0], plan[row][2],
+                              4 if mode == "beam4" else 1)
+        jobs.append((row, mode, scheduler.submit_translate([sources[row]], options)))
+        scheduler.run_once()  # the next request arrives while these decode
+    drive(scheduler, [job for _, _, job in jobs])
+    for row, mode, job in jobs:
+        assert job.result(0)[0][0].token_ids == expected[mode][row], (row, plan[row][:2])
+
+
+# -- forced eos at the length limit (the checkpoints' forced_eos_token_id) -----------------
+
+EOS_LIMIT = 8  # max_new_tokens of the forced-eos comparison: many outputs reach it
+
+
+@pytest.mark.parametrize("mode", ["greedy", "beam4"])
+def test_forced_eos_default_matches_generate(mode, checkpoints, runtimes):
+    """mBART-50 checkpoints set forced_eos_token_id = eos: taken from the generation
+    defaults by translation_inputs (as every front end builds a request's options), 50
+    inputs into three languages (the forced language token counted as a new token) at
+    max_new_tokens 8 equal generate(forced_bos_token_id=<language>, forced_eos_token_id=eos);
+    a request that sets forced_eos false gets the cut outputs."""
+    name, beams = "mbart50", 4 if mode == "beam4" else 1
+    runtime, checkpoint = runtimes[name], checkpoints[name]
+    _, batch = source_batch(checkpoint, COUNT, seed=5, name=name)
+    targets = fh.LANGUAGES[name][1]
+    plan = [targets[i % len(targets)] for i in range(COUNT)]
+    defaults = GenerationDefaults({"forced_eos_token_id": runtime.eos_token_id})
+
+    def options(target: str, **given):
+        return request_options(runtime.tokenizer, defaults,
+                               {"max_new_tokens": EOS_LIMIT, "num_beams": beams, **given},
+                               runtime.decoder_start_token_id,
+                               runtime.max_target_positions - 1, target, None,
+                               runtime.vocab_size)
+
+    ids, mask = batch["input_ids"].numpy(), batch["attention_mask"].numpy()
+    per_source = [options(target) for target in plan]
+    assert all(o.forced_eos for o in per_source)
+    results = generate(runtime, ids, mask, per_source)
+    cut = generate(runtime, ids, mask, [options(target, forced_eos=False) for target in plan])
+    ours = [r[0].token_ids for r in results]
+    expected: list[list[int]] = [[] for _ in plan]
+    for target in targets:
+        rows = [i for i, t in enumerate(plan) if t == target]
+        for row, tokens in zip(rows, hf_generate(checkpoint, name, batch, rows, target, {},
+                                                 beams, max_new_tokens=EOS_LIMIT,
+                                                 forced_eos=True)):
+            expected[row] = tokens
+    mismatches = [i for i, (a, b) in enumerate(zip(ours, expected, strict=True)) if a != b]
+    assert not mismatches, (f"{len(mismatches)}/{COUNT} differ, first {mismatches[0]} "
+                            f"({plan[mismatches[0]]}): ours {ours[mismatches[0]]} "
+                            f"transformers {expected[mismatches[0]]}")
+    assert all(r[0].finished for r in results)
+    # meaningful: many reach the limit (the language token and 6 more, then the forced
+    # eos), where the outputs without it are cut one token later
+    assert max(len(t) for t in ours) == EOS_LIMIT - 1
+    ended = sum(len(t) == EOS_LIMIT - 1 for t in ours)
+    changed = sum(a != b[0].token_ids for a, b in zip(ours, cut, strict=True))
+    assert ended >= 10 and changed >= 10, (ended, changed)
 
 
 # -- the Translator: languages, prefixes, generation defaults ------------------------------
 
 
 def hf_texts(checkpoint, name: str, texts: list[str], target: str, **kwargs) -> list[str]:
-    """transformers' translations of texts into `target` (its tokenizer decodes them)."""
+    """transformers' translations of texts into `target` (its tokenizer decodes them), with
+    the checkpoint's own forced_eos_token_id (mBART's config sets eos; the Translator takes
+    it from the generation defaults)."""
     directory, model, _ = checkpoint
     tokenizer = auto_tokenizer(directory, fh.LANGUAGES[name][0])
     forced = tokenizer.convert_tokens_to_ids(f"__{target}__" if name == "m2m100" else target) \
         if name in ("nllb", "m2m100", "mbart50") else None
     with torch.no_grad():
         out = model.generate(**tokenizer(texts, return_tensors="pt", padding=True),
-                             forced_bos_token_id=forced, forced_eos_token_id=None,
+                             forced_bos_token_id=forced,
                              bad_words_ids=[[model.config.pad_token_id]], **kwargs)
     return tokenizer.batch_decode(out, skip_special_tokens=True)
 
@@ -583,8 +760,8 @@ def test_target_prefix_starts_the_translation(exported, checkpoints):
      "target_prefix must not contain the end-of-sequence token ('</s>')"),
     ("nllb", dict(target_language="fra_Latn", target_prefix="the " * 200),
      "target_prefix is"),
-    ("cc25", dict(target_language="de_DE"), "target_language 'de_DE': this model decodes into "
-                                             "'fr_XX' only (its decoder start token)"),
+    ("cc25", dict(target_language="xx_XX"), "target_language 'xx_XX' is not a language of "
+                                             "this model; valid codes include"),
     ("bart", dict(target_language="fr"), "target_language 'fr' is not accepted: this model "
                                          "has no language codes"),
     ("bart", dict(source_language="en"), "source_language 'en' is not accepted"),
@@ -601,14 +778,25 @@ def test_bad_languages_are_refused_naming_the_field(name, call, message, exporte
         assert isinstance(info.value, LanguageError)
 
 
-def test_start_token_models_take_their_own_target(exported, checkpoints):
-    """mBART-cc25: decoding starts from fr_XX; naming it or no target is the same."""
+def test_start_token_models_take_each_texts_target(exported, checkpoints):
+    """mBART-cc25: decoding starts from the target language's token; no target is the
+    model's own (fr_XX); texts into different languages in one call each get
+    transformers' translation with that decoder_start_token_id."""
     translator = Translator(exported["cc25"], intra_op_threads=1)
-    texts = fh.sentences(3, seed=23)
+    texts = fh.sentences(6, seed=23)
     assert translator.translate(texts, max_new_tokens=6) == translator.translate(
         texts, target_language="fr_XX", max_new_tokens=6) == hf_texts(
         checkpoints["cc25"], "cc25", texts, "fr_XX", max_new_tokens=6, num_beams=1,
         do_sample=False)
+    wanted = [CC25_TARGETS[i % 2] for i in range(len(texts))]
+    got = translator.translate(texts, target_language=wanted, num_beams=4, max_new_tokens=12)
+    tokenizer = checkpoints["cc25"][2]
+    for target in CC25_TARGETS[:2]:
+        rows = [i for i, t in enumerate(wanted) if t == target]
+        expected = hf_texts(checkpoints["cc25"], "cc25", [texts[i] for i in rows], target,
+                            max_new_tokens=12, num_beams=4, do_sample=False,
+                            decoder_start_token_id=tokenizer.convert_tokens_to_ids(target))
+        assert [got[i] for i in rows] == expected, target
 
 
 BART_GENERATION = {"num_beams": 4, "max_length": 14, "min_length": 5, "length_penalty": 2.0,
@@ -635,36 +823,42 @@ def bart_with_defaults(checkpoints, tmp_path_factory):
 
 def test_generation_defaults_fill_unset_options(bart_with_defaults):
     """model.json records generation_config.json; a call that sets nothing decodes as
-    transformers' generate with the checkpoint's own settings (forced eos aside), a call
-    that sets num_beams overrides that one, a sampling call gets no beam settings."""
+    transformers' generate with the checkpoint's own settings (its forced eos at max_length
+    included), a call that sets num_beams overrides that one, a sampling call gets no beam
+    settings but the forced eos."""
     directory, out, model = bart_with_defaults
     manifest = Manifest.load(out)
     assert {k: manifest.generation[k] for k in BART_GENERATION if k in manifest.generation} == {
         k: v for k, v in BART_GENERATION.items()
         if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    assert manifest.generation_defaults.unapplied(pad_token_id=1) == ["forced_eos_token_id"]
+    assert manifest.generation_defaults.unapplied(pad_token_id=1, eos_token_id=2) == []
     translator = Translator(out, intra_op_threads=1)
     tokenizer = auto_tokenizer(directory)
     texts = fh.sentences(12, seed=24)
     batch = tokenizer(texts, return_tensors="pt", padding=True)
     with torch.no_grad():
-        beams = model.generate(**batch, forced_eos_token_id=None, bad_words_ids=[[1]])
-        greedy = model.generate(**batch, forced_eos_token_id=None, bad_words_ids=[[1]],
-                                num_beams=1)
+        beams = model.generate(**batch, bad_words_ids=[[1]])
+        greedy = model.generate(**batch, bad_words_ids=[[1]], num_beams=1)
+        uncut = model.generate(**batch, bad_words_ids=[[1]], num_beams=1,
+                               forced_eos_token_id=None)
     expected = tokenizer.batch_decode(beams, skip_special_tokens=True)
     assert translator.translate(texts) == expected
     assert translator.translate(texts, num_beams=1) == tokenizer.batch_decode(
         greedy, skip_special_tokens=True)
     assert expected != tokenizer.batch_decode(greedy, skip_special_tokens=True)
+    # the forced eos mattered: without it some greedy outputs are one token longer
+    assert translator.translate(texts, num_beams=1, forced_eos=False) == \
+        tokenizer.batch_decode(uncut, skip_special_tokens=True) != tokenizer.batch_decode(
+            greedy, skip_special_tokens=True)
     hyps = translator.translate_hypotheses(texts, do_sample=True, seed=3)
-    assert all(len(h) == 1 and 5 <= len(h[0].token_ids) <= 13 for h in hyps)
+    assert all(len(h) == 1 and 5 <= len(h[0].token_ids) <= 12 for h in hyps)
 
 
 def test_generation_defaults_merge_rules():
     defaults = GenerationDefaults({"num_beams": 5, "max_length": 200, "min_length": 3,
                                    "early_stopping": "never", "length_penalty": 1.5})
     assert defaults.merge({}, 0, 1023) == {"num_beams": 5, "length_penalty": 1.5,
-                                           "early_stopping": False, "max_new_tokens": 199,
+                                           "early_stopping": "never", "max_new_tokens": 199,
                                            "min_new_tokens": 2}
     # a target prefix of 3 input tokens: transformers counts them in max_length
     assert defaults.merge({}, 3, 1020)["max_new_tokens"] == 196
@@ -672,7 +866,22 @@ def test_generation_defaults_merge_rules():
     assert defaults.merge({"do_sample": True}, 0, 1023) == {
         "do_sample": True, "max_new_tokens": 199, "min_new_tokens": 2}
     assert defaults.merge({}, 0, 50)["max_new_tokens"] == 50  # within the model's limit
-    assert defaults.unapplied() == ["early_stopping"]
+    assert defaults.unapplied() == []
+    # forced_eos_token_id: applied where it is the model's eos (an id, or a list of it), to
+    # sampling too; a request's own forced_eos wins
+    for forced in (2, [2]):
+        eos = GenerationDefaults({"forced_eos_token_id": forced, "num_beams": 4})
+        assert eos.merge({}, eos_token_id=2) == {"num_beams": 4, "forced_eos": True}
+        assert eos.merge({"do_sample": True}, eos_token_id=2) == {"do_sample": True,
+                                                                    "forced_eos": True}
+        assert eos.merge({"forced_eos": False}, eos_token_id=2)["forced_eos"] is False
+        assert eos.unapplied(eos_token_id=2) == []
+    other = GenerationDefaults({"forced_eos_token_id": [2, 5]})
+    assert "forced_eos" not in other.merge({}, eos_token_id=2)
+    assert other.unapplied(eos_token_id=2) == ["forced_eos_token_id"]
+    with pytest.raises(ValueError, match='generation.early_stopping must be true, false or '
+                                         '"never", got \'always\''):
+        GenerationDefaults({"early_stopping": "always"})
     with pytest.raises(ValueError, match="generation.num_beams must be int, got '4'"):
         GenerationDefaults({"num_beams": "4"})
     with pytest.raises(ValueError, match="generation.temperature is not a setting"):

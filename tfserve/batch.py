@@ -199,6 +199,8 @@ class DecodeBatch:
         else:
             self.past = new_past
             self.self_attention_mask = np.zeros((count, 0), np.int64)
+        # each newcomer's first input is its own start token (DecodingOptions'
+        # decoder_start_token_id, else the model's): rows may start from different tokens
         starts = []
         for group in groups:
             for search, tag, valid in zip(group.searches, group.tags,

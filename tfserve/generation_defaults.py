@@ -6,20 +6,21 @@ checkpoint's config.json overlaid by its generation_config.json, as transformers
 GenerationConfig. Every front end (Translator, server, CLI) merges a request's options with
 them here, in `GenerationDefaults.merge`, so that they mean the same everywhere:
 
-- num_beams, length_penalty, early_stopping -> the same fields, for beam search only: a
-  request that samples does not get them;
+- num_beams, length_penalty, early_stopping (true, false or "never") -> the same fields,
+  for beam search only: a request that samples does not get them;
 - max_new_tokens -> max_new_tokens; else max_length -> max_new_tokens = max_length - 1 -
   input prefix (transformers counts the start token and a given decoder input, a target
   prefix, in max_length); min_length -> min_new_tokens likewise;
 - no_repeat_ngram_size, repetition_penalty -> the same fields;
 - forced_bos_token_id -> the first output token (`prefix_token_ids`); a multilingual
   model's target language takes its place;
+- forced_eos_token_id -> forced_eos (eos is the max_new_tokens-th new token), where it is
+  the model's eos (an int, or a list of that one id), as in every checkpoint that sets it;
 - decoder_start_token_id -> the model's decoder start token (applied at export).
 
-Recorded but not applied (`GenerationDefaults.unapplied`): forced_eos_token_id (transformers
-makes eos the last token at max_length: tfserve's output then has one token more, before its
-end), early_stopping "never" (run as False), bad_words_ids other than the pad token (which
-tfserve never produces). Pure Python: part of the serving path.
+Recorded but not applied (`GenerationDefaults.unapplied`): a forced_eos_token_id other than
+the model's eos, bad_words_ids other than the pad token (which tfserve never produces).
+Pure Python: part of the serving path.
 """
 
 from __future__ import annotations
@@ -94,34 +95,42 @@ class GenerationDefaults:
     def forced_bos_token_id(self) -> int | None:
         return self.fields.get("forced_bos_token_id")
 
-    def unapplied(self, pad_token_id: int | None = None) -> list[str]:
+    def forces_eos(self, eos_token_id: int | None = None) -> bool:
+        """Whether forced_eos_token_id asks for the model's eos at max_length (any id
+        counts as eos when eos_token_id is not given)."""
+        forced = self.fields.get("forced_eos_token_id")
+        if forced is None or eos_token_id is None:
+            return forced is not None
+        return forced == eos_token_id or forced == [eos_token_id]
+
+    def unapplied(self, pad_token_id: int | None = None,
+                  eos_token_id: int | None = None) -> list[str]:
         """The recorded settings tfserve does not apply (module docstring)."""
         left = []
-        if "forced_eos_token_id" in self.fields:
+        if "forced_eos_token_id" in self.fields and not self.forces_eos(eos_token_id):
             left.append("forced_eos_token_id")
-        if self.fields.get("early_stopping") == "never":
-            left.append("early_stopping")
         banned = self.fields.get("bad_words_ids")
         if banned and banned != [[pad_token_id]]:
             left.append("bad_words_ids")
         return left
 
-    def decoding_fields(self, input_prefix: int = 0, max_new_tokens_limit: int | None = None
-                        ) -> dict[str, Any]:
+    def decoding_fields(self, input_prefix: int = 0, max_new_tokens_limit: int | None = None,
+                        eos_token_id: int | None = None) -> dict[str, Any]:
         """The DecodingOptions fields these settings give (module docstring).
 
         input_prefix: the tokens of a request's prefix that are decoder input rather than
         new tokens (transformers counts them in max_length and min_length).
         max_new_tokens_limit: the model's limit for that prefix; a default never exceeds it.
+        eos_token_id: the model's, which forced_eos_token_id must name to be applied.
         """
         values = self.fields
         out: dict[str, Any] = {}
         for name in ("num_beams", "length_penalty", "no_repeat_ngram_size",
-                     "repetition_penalty"):
+                     "repetition_penalty", "early_stopping"):
             if name in values:
                 out[name] = values[name]
-        if "early_stopping" in values:
-            out["early_stopping"] = values["early_stopping"] is True
+        if self.forces_eos(eos_token_id):
+            out["forced_eos"] = True
         if "max_new_tokens" in values:
             out["max_new_tokens"] = values["max_new_tokens"]
         elif "max_length" in values:
@@ -142,11 +151,12 @@ class GenerationDefaults:
         return out
 
     def merge(self, given: Mapping[str, Any], input_prefix: int = 0,
-              max_new_tokens_limit: int | None = None) -> dict[str, Any]:
+              max_new_tokens_limit: int | None = None, eos_token_id: int | None = None
+              ) -> dict[str, Any]:
         """A request's DecodingOptions fields: those it gives (`given`, only the fields it
         set), the checkpoint's for the others; beam settings not for a request that
         samples."""
-        defaults = self.decoding_fields(input_prefix, max_new_tokens_limit)
+        defaults = self.decoding_fields(input_prefix, max_new_tokens_limit, eos_token_id)
         if given.get("do_sample"):
             defaults = {k: v for k, v in defaults.items() if k not in BEAM_FIELDS}
         asked = given.get("max_new_tokens")

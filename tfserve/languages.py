@@ -14,9 +14,11 @@ decoder's, at places that differ by family (as transformers' tokenizers place th
 
 "forced first token": decoding starts from the model's start token (eos for these
 families), and the target language token is the first output token whatever the model
-scores (transformers' `forced_bos_token_id`), so requests with different targets share a
-batch. "decoder start": the target language token is the token decoding starts from; it is
-the model's own (`decoder_start_token_id`), so such a model has one target language.
+scores (transformers' `forced_bos_token_id`). "decoder start": the target language token is
+the token decoding starts from (transformers' `decoder_start_token_id`), the request's own
+(`DecodingOptions.decoder_start_token_id`); a request that names no target language starts
+from the model's (its configured target). Either way requests with different targets share
+a batch.
 
 `LanguageConventions` is stored in the manifest (inside the tokenizer spec); `language_id`
 turns a request's code into its token, or refuses it naming the field and valid codes.
@@ -126,23 +128,23 @@ class LanguageConventions:
             code = self.default_source
         return self.language_id("source_language", code)
 
-    def target_id(self, code: str | None, start_token_id: int) -> int | None:
+    def target_id(self, code: str | None) -> int | None:
         """The forced first token of a request's target language (None for "start" models,
-        whose target language is their decoder start token: `code` must be that one)."""
+        whose target language is their decoder start token: `start_id`)."""
+        if self.target_mode == "start":
+            return None
         if not code:
-            if self.target_mode == "start":
-                return None
             raise LanguageError(f"target_language is required by this multilingual model; "
                                 f"{self.some_codes()}")
-        token_id = self.language_id("target_language", code)
-        if self.target_mode == "start":
-            if token_id != start_token_id:
-                own = [c for c, i in self.codes.items() if i == start_token_id]
-                which = f"{own[0]!r}" if own else f"token {start_token_id}"
-                raise LanguageError(f"target_language {code!r}: this model decodes into "
-                                    f"{which} only (its decoder start token)")
+        return self.language_id("target_language", code)
+
+    def start_id(self, code: str | None) -> int | None:
+        """The decoder start token of a request's target language for "start" models; None
+        for "forced" models and for a request that names no target (the model's own start
+        token: its configured target language)."""
+        if self.target_mode != "start" or not code:
             return None
-        return token_id
+        return self.language_id("target_language", code)
 
     def frame(self, source_token_id: int, eos_token_id: int) -> tuple[list[int], list[int]]:
         """The tokens before and after a source text's tokens."""

@@ -10,8 +10,11 @@ and the DecodingOptions to search with, the same for every front end.
   keeps the frame whole and cuts the text, as transformers' tokenizers truncate.
 - Target: a multilingual model's target language becomes the forced first output token
   (`DecodingOptions.prefix_token_ids`, counted as a new token like transformers'
-  forced_bos_token_id), so requests into different languages share a batch; a model whose
-  checkpoint forces a first token (BART's forced_bos_token_id) gets that one. A target
+  forced_bos_token_id), or, for a model that starts decoding from it (mBART-cc25), the
+  request's decoder start token (`DecodingOptions.decoder_start_token_id`, transformers'
+  decoder_start_token_id); either way requests into different languages share a batch. A
+  model whose checkpoint forces a first token (BART's forced_bos_token_id) gets that one. A
+  target
   prefix (text the translation must start with) follows the forced token; with one, the
   forced tokens and the prefix are decoder input, as in transformers'
   `generate(decoder_input_ids=[[start, *forced, *prefix]])`, and the translation's text
@@ -93,11 +96,11 @@ def _no_codes(field_name: str, value: str, own: str) -> str:
     return f"{field_name} {shown!r} is not accepted: this model has no language codes"
 
 
-def forced_tokens(tokenizer: Tokenizer, defaults: GenerationDefaults, start_token_id: int,
+def forced_tokens(tokenizer: Tokenizer, defaults: GenerationDefaults,
                   target_language: str | None = None, model_target_language: str = ""
                   ) -> list[int]:
     """The output's forced first tokens: the target language token of a multilingual
-    model, else the checkpoint's forced_bos_token_id, else none."""
+    model that forces it, else the checkpoint's forced_bos_token_id, else none."""
     conventions = tokenizer.languages
     if conventions is None:
         if target_language and target_language != model_target_language:
@@ -105,8 +108,18 @@ def forced_tokens(tokenizer: Tokenizer, defaults: GenerationDefaults, start_toke
                                           model_target_language))
         forced = defaults.forced_bos_token_id
         return [forced] if forced is not None else []
-    token_id = conventions.target_id(target_language, start_token_id)
+    token_id = conventions.target_id(target_language)
     return [token_id] if token_id is not None else []
+
+
+def start_token(tokenizer: Tokenizer, start_token_id: int, target_language: str | None = None
+                ) -> int | None:
+    """The request's own decoder start token: the target language token of a model that
+    starts decoding from it (mBART-cc25); None where the model's start token
+    (`start_token_id`) serves, as for every other model and a request that names none."""
+    conventions = tokenizer.languages
+    token_id = conventions.start_id(target_language) if conventions is not None else None
+    return token_id if token_id != start_token_id else None
 
 
 def prefix_ids(tokenizer: Tokenizer, target_prefix: str | None) -> list[int]:
@@ -140,12 +153,12 @@ def request_options(tokenizer: Tokenizer, defaults: GenerationDefaults,
     unknown = sorted(set(given) - set(DecodingOptions.__dataclass_fields__))
     if unknown:
         raise ValueError(f"unknown decoding option(s): {', '.join(unknown)}")
-    for name in ("prefix_token_ids", "prefix_counts_as_new"):
+    for name in ("prefix_token_ids", "prefix_counts_as_new", "decoder_start_token_id"):
         if name in given:
             raise ValueError(f"{name} is set from target_language and target_prefix, not "
                              "given")
-    forced = forced_tokens(tokenizer, defaults, start_token_id, target_language,
-                           model_target_language)
+    forced = forced_tokens(tokenizer, defaults, target_language, model_target_language)
+    start = start_token(tokenizer, start_token_id, target_language)
     prefix = prefix_ids(tokenizer, target_prefix)
     tokens = forced + prefix
     # forced tokens alone count as new tokens (transformers' forced_bos_token_id); with a
@@ -155,8 +168,9 @@ def request_options(tokenizer: Tokenizer, defaults: GenerationDefaults,
     if input_prefix >= max_new_tokens_limit:
         raise ValueError(f"target_prefix is {len(prefix)} tokens, over the limit of "
                          f"{max_new_tokens_limit - 1 - len(forced)} for this model")
-    fields = defaults.merge(given, input_prefix, max_new_tokens_limit - input_prefix)
+    fields = defaults.merge(given, input_prefix, max_new_tokens_limit - input_prefix,
+                            tokenizer.eos_id)
     options = DecodingOptions(**fields, prefix_token_ids=tuple(tokens),
-                              prefix_counts_as_new=counts_as_new)
+                              prefix_counts_as_new=counts_as_new, decoder_start_token_id=start)
     return options.validate(max_new_tokens_limit, vocab_size=vocab_size,
                             eos_token_id=tokenizer.eos_id)

@@ -229,7 +229,8 @@ class Translator:
         given = {}
         if options is not None:
             given = {name: value for name, value in options.__dict__.items()
-                     if name not in ("prefix_token_ids", "prefix_counts_as_new")}
+                     if name not in ("prefix_token_ids", "prefix_counts_as_new",
+                                     "decoder_start_token_id")}
             if given.get("max_new_tokens") is None:
                 del given["max_new_tokens"]
         return {**given, **overrides}

@@ -220,9 +220,9 @@ def generation_defaults(directory: Path, config: dict[str, Any]) -> dict[str, An
     """The search settings the checkpoint asks for (config.json, then generation_config.json).
 
     opus-mt checkpoints ban the pad token (bad_words_ids [[pad]]; tfserve.generation always
-    does), force eos as the last token at max_length (forced_eos_token_id; tfserve does not)
-    and ask for num_beams 4..6. They are recorded in the manifest (ModelConfig.extra) so that
-    a server can default to them.
+    does), force eos as the last token at max_length (forced_eos_token_id: DecodingOptions'
+    forced_eos) and ask for num_beams 4..6. They are recorded in the manifest so that every
+    front end defaults to them (tfserve.generation_defaults).
     """
     merged = {key: config[key] for key in GENERATION_KEYS if key in config}
     path = directory / GENERATION_CONFIG_FILE

@@ -1,4 +1,5 @@
-"""Beam search: num_beams running hypotheses, length penalty, early stopping, n-best."""
+"""Beam search: num_beams running hypotheses, length penalty, early stopping (True, False,
+"never"), n-best."""
 
 from __future__ import annotations
 
@@ -17,13 +18,18 @@ class BeamSearch(Search):
 
     Each step scores 2 * num_beams candidates so that enough non-eos continuations remain
     after the eos candidates are set aside. An eos candidate outside the top num_beams is
-    ignored. With early_stopping the search ends as soon as num_beams hypotheses finished;
-    without it, when no running beam can still beat the worst kept hypothesis.
+    ignored. With early_stopping True the search ends as soon as num_beams hypotheses
+    finished; with False, when no running beam, scored at its current length, can still
+    beat the worst kept hypothesis; with "never", scored at max_new_tokens where
+    length_penalty > 0 (a longer beam may still win), so it runs longer.
 
     Lengths (length_penalty, the stopping heuristic) count new tokens only: an input prefix
     is left out, as transformers leaves out its decoder_input_ids. With repetition controls
     each row's log-probabilities are penalised before the candidates are ranked, as
-    transformers' beam search does.
+    transformers' beam search does. With forced_eos, the last step's only candidate per
+    row is eos at log-probability 0: every running beam finishes with its score so far,
+    divided by max_new_tokens ** length_penalty (transformers' ForcedEOSTokenLogitsProcessor
+    leaves eos the only finite candidate of each beam).
     """
 
     def __init__(self, options: DecodingOptions, eos_token_id: int, start_token_id: int) -> None:
@@ -43,7 +49,7 @@ class BeamSearch(Search):
     def candidates_per_row(self) -> int:
         """Tokens per row `advance` must see: 2K, plus one in case eos is blocked (0: it
         finds its own, after the repetition controls, or needs none for a forced step)."""
-        if self.forcing or self.controls is not None:
+        if self.forcing or self.ending or self.controls is not None:
             return 0
         return 2 * self.options.num_beams + 1
 
@@ -55,6 +61,8 @@ class BeamSearch(Search):
 
     def advance(self, logits: np.ndarray, lse: np.ndarray,
                 best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if self.ending:
+            return self._end()
         if self.forcing:
             return self._force()
         if self.controls is not None:
@@ -74,9 +82,19 @@ class BeamSearch(Search):
 
     def advance_candidates(self, ids: np.ndarray, log_probs: np.ndarray
                            ) -> tuple[np.ndarray, np.ndarray]:
+        if self.ending:
+            return self._end()
         if self.forcing:
             return self._force()
         return self._select(ids, log_probs, self.beam_scores, int(ids.max()) + 1)
+
+    def _end(self) -> tuple[np.ndarray, np.ndarray]:
+        """The forced eos for every running beam, log-probability 0 (past min_new_tokens:
+        transformers' forced eos overrides its ban)."""
+        rows = len(self.beams)
+        return self._select(np.full((rows, 1), self.eos, np.int64),
+                            np.zeros((rows, 1), np.float32), self.beam_scores, self.eos + 1,
+                            allow_eos=True)
 
     def _force(self) -> tuple[np.ndarray, np.ndarray]:
         """A prefix token for the single row, log-probability 0 (next_forced counts it
@@ -86,13 +104,14 @@ class BeamSearch(Search):
                             self.beam_scores, token + 1, decided=False)
 
     def _select(self, best: np.ndarray, values: np.ndarray, offset: np.ndarray, vocab: int,
-                decided: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                decided: bool = True, allow_eos: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Keep the best num_beams continuations among candidates best [rows,k] whose
         scores are offset [rows] + values [rows,k]; vocab: any bound above the token ids;
-        decided: the search's own choice (new tokens), not a forced one."""
+        decided: a new token (the search's own choice or the forced eos), not a prefix
+        token; allow_eos: eos even before min_new_tokens (the forced eos)."""
         num_beams = self.options.num_beams
         rows = best.shape[0]
-        if self.generated < self.options.min_new_tokens:
+        if self.generated < self.options.min_new_tokens and not allow_eos:
             values = np.where(best == self.eos, -np.inf, values)  # eos not allowed yet
         scores_2k = (offset[:, None] + values).ravel()
         flat_2k = (np.arange(rows)[:, None] * vocab + best).ravel()  # beam * V + token
@@ -131,9 +150,15 @@ class BeamSearch(Search):
             return True
         if len(self.finished) < self.options.num_beams:
             return False
-        if self.options.early_stopping:
+        never = isinstance(self.options.early_stopping, str)  # "never" (validate)
+        if not never and self.options.early_stopping:
             return True
-        # heuristic (as Hugging Face's early_stopping=False): the best running beam, scored at
-        # its current length, cannot beat the worst kept hypothesis
-        attainable = self.normalized(float(self.beam_scores.max()), self.generated)
+        # heuristic (transformers' _check_early_stop_heuristic): the best running beam,
+        # scored at its current length (early_stopping False) or, with "never" and a positive
+        # length_penalty, at max_new_tokens (its best possible length), cannot beat the worst
+        # kept hypothesis
+        length = self.generated
+        if never and self.options.length_penalty > 0:
+            length = self.options.max_new_tokens
+        attainable = self.normalized(float(self.beam_scores.max()), length)
         return self.finished[-1].score >= attainable

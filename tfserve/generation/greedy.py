@@ -23,6 +23,8 @@ class GreedySearch(Search):
 
     def advance(self, logits: np.ndarray, lse: np.ndarray,
                 best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if self.ending:
+            return self._choose(self.eos, 0.0)  # the forced eos: log-probability 0
         if self.forcing:
             return self._force()
         if self.controls is None:
@@ -39,6 +41,8 @@ class GreedySearch(Search):
 
     def advance_candidates(self, ids: np.ndarray, log_probs: np.ndarray
                            ) -> tuple[np.ndarray, np.ndarray]:
+        if self.ending:
+            return self._choose(self.eos, 0.0)
         if self.forcing:
             return self._force()
         values = log_probs[0]

@@ -38,6 +38,25 @@ class DecodingOptions:
     - no_repeat_ngram_size (transformers' NoRepeatNGramLogitsProcessor): no n-gram of this
       size occurs twice in the decoder sequence (the start token and the prefix included):
       a token that would complete a repeat is banned.
+    - forced_eos (transformers' forced_eos_token_id, ForcedEOSTokenLogitsProcessor, with
+      the model's eos as the forced token): the max_new_tokens-th new token is eos
+      whatever the model scores, so an output that reaches the limit ends with eos (and
+      has max_new_tokens - 1 tokens after an input prefix) instead of being cut. As in
+      transformers the forced eos adds 0 to the score (beam search: the beam's sum, then
+      divided by max_new_tokens ** length_penalty), it overrides min_new_tokens (which
+      max_new_tokens bounds) and the repetition controls, and it takes the place of a
+      prefix token counted as new that would fall on that step (max_new_tokens <= the
+      prefix's length).
+    - decoder_start_token_id: the token decoding starts from, for this request (None: the
+      model's). mBART-cc25 starts from the target language token, so each request names
+      its own; rows of one batch may start from different tokens. It is the first token of
+      the decoder sequence the repetition controls see.
+
+    early_stopping (beam search, transformers' values): False stops when no running beam,
+    scored at its current length, can beat the worst of num_beams finished hypotheses;
+    True as soon as num_beams hypotheses finished; "never" when no running beam can beat
+    it scored at max_new_tokens (with length_penalty > 0; otherwise as False): the
+    canonical beam search, which runs longer.
 
     Scores with these controls: a hypothesis' score is the sum of its tokens' model
     log-probabilities, a repeated token's multiplied by the repetition penalty (as
@@ -49,7 +68,7 @@ class DecodingOptions:
     min_new_tokens: int = 0
     num_beams: int = 1
     length_penalty: float = 1.0
-    early_stopping: bool = False
+    early_stopping: bool | str = False  # True, False or "never" (see above)
     num_return_sequences: int = 1
     do_sample: bool = False
     temperature: float = 1.0
@@ -60,6 +79,8 @@ class DecodingOptions:
     prefix_counts_as_new: bool = False
     repetition_penalty: float = 1.0  # 1.0: off
     no_repeat_ngram_size: int = 0  # 0: off
+    forced_eos: bool = False
+    decoder_start_token_id: int | None = None  # None: the model's
 
     MAX_BEAMS = 16
     # beyond these the scores over- or underflow (length ** length_penalty) or the tempered
@@ -80,7 +101,8 @@ class DecodingOptions:
 
         max_new_tokens_limit: the model's target positions - 1 (the start token takes one);
         an input prefix takes its length more. vocab_size and eos_token_id, where given,
-        check prefix_token_ids against the model (make_search checks eos again).
+        check prefix_token_ids and decoder_start_token_id against the model (make_search
+        checks eos again).
 
         Returns the options to use: self, or a copy with max_new_tokens filled in when it is
         None and prefix_token_ids as a tuple of ints (the caller's object is never changed,
@@ -151,6 +173,16 @@ class DecodingOptions:
             raise ValueError(f"repetition_penalty must be in (0, {self.MAX_REPETITION_PENALTY}]"
                              f" (1.0: off), got {self.repetition_penalty!r}")
         integer("no_repeat_ngram_size", 0, self.MAX_NO_REPEAT_NGRAM_SIZE)
+        if not isinstance(self.forced_eos, (bool, np.bool_)):
+            raise ValueError(f"forced_eos must be a boolean, got {self.forced_eos!r}")
+        if not (isinstance(self.early_stopping, (bool, np.bool_))
+                or self.early_stopping == "never"):
+            raise ValueError(f"early_stopping must be true, false or \"never\", "
+                             f"got {self.early_stopping!r}")
+        if self.decoder_start_token_id is not None:
+            high = vocab_size - 1 if vocab_size is not None else None
+            integer("decoder_start_token_id", 0, high, " (a token id of the model)"
+                    if high is not None else "")
         return self
 
     def _checked_prefix(self, vocab_size: int | None, eos_token_id: int | None
@@ -178,11 +210,12 @@ class Hypothesis:
     """One output sequence: token ids (no start token, no eos) and its score.
 
     token_ids begin with the options' prefix_token_ids, whether they count as new tokens or
-    not. Greedy and sampling scores are the sum of the model's log-probabilities of the
-    tokens (eos included when it was produced); beam scores are that sum divided by
+    not (unless forced_eos ended the output inside a prefix counted as new). Greedy and
+    sampling scores are the sum of the model's log-probabilities of the tokens (eos
+    included when it was produced); beam scores are that sum divided by
     length ** length_penalty, length counting the eos and the new tokens (not an input
-    prefix: see DecodingOptions). Forced prefix tokens add 0; with a repetition_penalty a
-    repeated token's log-probability is multiplied by it.
+    prefix: see DecodingOptions). Forced prefix tokens and a forced eos add 0; with a
+    repetition_penalty a repeated token's log-probability is multiplied by it.
     """
 
     token_ids: list[int]

@@ -16,7 +16,7 @@ class SamplingSearch(Search):
     Each search owns its random generator, seeded from the request, so the same seed gives
     the same output whatever else shares the batch. The samples fan out after the prefix;
     repetition controls act on the logits, before temperature and filters (as in
-    transformers).
+    transformers); a forced eos ends every sample at max_new_tokens.
     """
 
     def __init__(self, options: DecodingOptions, eos_token_id: int, start_token_id: int) -> None:
@@ -33,6 +33,8 @@ class SamplingSearch(Search):
 
     def advance(self, logits: np.ndarray, lse: np.ndarray,
                 best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if self.ending:
+            return self._end()
         if self.forcing:
             return self._force()
         model_logits = logits
@@ -93,6 +95,19 @@ class SamplingSearch(Search):
             self.done = True
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.zeros(1, np.int64), np.array([token], np.int64)
+
+    def _end(self) -> tuple[np.ndarray, np.ndarray]:
+        """The forced eos for every sample, log-probability 0 (transformers samples from a
+        distribution that holds eos alone); before the fan-out, the samples are the single
+        row so far."""
+        self.generated += 1
+        count = len(self.samples) if self.fanned_out else self.options.num_return_sequences
+        self.finished.extend(Hypothesis(list(self.samples[i if self.fanned_out else 0]),
+                                        self.scores[i if self.fanned_out else 0])
+                             for i in range(count))
+        self.samples, self.scores, self.streamed = [], [], []
+        self.done = True
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
 
     def results(self) -> list[Hypothesis]:
         return list(self.finished)  # samples in the order they finished; scores are not ranks

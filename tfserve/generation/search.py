@@ -27,12 +27,20 @@ class Search:
 
     The first steps of a search with options.prefix_token_ids produce those tokens whatever
     the logits (`forcing`, `next_forced`); the search stays a single row until they are
-    all out, so beams and samples fan out from the end of the prefix.
+    all out, so beams and samples fan out from the end of the prefix. With
+    options.forced_eos the step of the max_new_tokens-th new token produces eos whatever
+    the logits (`ending`), before any prefix token.
+
+    start_token_id is the model's decoder start token; options.decoder_start_token_id,
+    where set, replaces it: the search's first row holds it (`last_tokens`), which is the
+    input of its first decoder step.
     """
 
     def __init__(self, options: DecodingOptions, eos_token_id: int, start_token_id: int) -> None:
         self.options = options
         self.eos = eos_token_id
+        if options.decoder_start_token_id is not None:
+            start_token_id = int(options.decoder_start_token_id)
         self.start = start_token_id
         self.prefix = tuple(int(token) for token in options.prefix_token_ids)
         if eos_token_id in self.prefix:
@@ -53,8 +61,16 @@ class Search:
 
     @property
     def forcing(self) -> bool:
-        """Whether the next step produces a prefix token."""
+        """Whether the next step produces a prefix token (unless it is `ending`)."""
         return self.forced < len(self.prefix)
+
+    @property
+    def ending(self) -> bool:
+        """Whether the next step produces the forced eos: options.forced_eos is set and it
+        decides the max_new_tokens-th new token (transformers forces eos at max_length - 1
+        decoder tokens, which counts the start token and an input prefix)."""
+        return bool(self.options.forced_eos) and (
+            self.generated == self.options.max_new_tokens - 1)
 
     def next_forced(self) -> int:
         """The prefix token of this step; counts it as new where the options say so."""
@@ -72,7 +88,7 @@ class Search:
     def needs(self, count: int) -> int:
         """What `top_needed` answers for a strategy that decides from `count` candidates:
         a forced step needs none (1: any will do), repetition controls need every token."""
-        if self.forcing:
+        if self.forcing or self.ending:
             return 1
         return 0 if self.controls is not None else count
 
