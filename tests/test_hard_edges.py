@@ -167,9 +167,9 @@ def test_a_huge_text_is_refused_by_its_length_without_tokenizing(
         server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     tokenizer = server.server.runtime.tokenizer
     seen: list[int] = []
-    real_encode = tokenizer.encode
-    monkeypatch.setattr(tokenizer, "encode", lambda text: seen.append(len(text)) or real_encode(
-        text))
+    real_encode = tokenizer.encode_text  # what the server tokenizes a text's own words with
+    monkeypatch.setattr(tokenizer, "encode_text", lambda text: seen.append(len(text)) or
+                        real_encode(text))
     huge = "seven " * 1_000_000  # 6 MB
     payload = pb2.TranslateRequest(texts=["seven", huge]).SerializeToString()
     code, details, _ = raw_call(server.target, TRANSLATE, payload)
@@ -527,13 +527,13 @@ def test_large_requests_are_tokenized_off_the_event_loop(
 
     tokenizer = server.server.runtime.tokenizer
     threads: list[tuple[int, str]] = []
-    real_encode = tokenizer.encode
+    real_encode = tokenizer.encode_text  # what the server tokenizes a text's own words with
 
     def encode(text: str) -> list[int]:
         threads.append((len(text), threading.current_thread().name))
         return real_encode(text)
 
-    monkeypatch.setattr(tokenizer, "encode", encode)
+    monkeypatch.setattr(tokenizer, "encode_text", encode)
     with Client(server.target, timeout=60) as client:
         client.translate(["seven"], max_new_tokens=1)
         client.translate(["seven " * 900], max_new_tokens=1, truncate=True)  # 5400 characters

@@ -9,10 +9,15 @@
         client.encode(["seven"], pooling="mean", per_token=True)
         client.list_models()                                         # a repository's models
         client.translate(["seven"], model="en-fr")                   # one of them
+        client.translate(["Hello."], source_language="eng_Latn",     # a multilingual model
+                         target_language="fra_Latn", target_prefix="Bonjour")
 
-Decoding options are the keyword arguments of `tfserve.generation.DecodingOptions`; the
-server validates them. A failed call raises `ServerError` (a RuntimeError and a grpc.RpcError)
-carrying the status code and the server's message.
+Decoding options are the keyword arguments of `tfserve.generation.DecodingOptions`
+(repetition_penalty and no_repeat_ngram_size included); the server validates them, and
+options left out (or None) take the model's generation defaults. source_language,
+target_language and target_prefix are named as in `Translator.translate`; target_prefix is
+one string for every text or a list with one per text. A failed call raises `ServerError` (a
+RuntimeError and a grpc.RpcError) carrying the status code and the server's message.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ pb2, pb2_grpc = load_stubs()
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _OPTION_FIELDS = ("max_new_tokens", "min_new_tokens", "num_beams", "length_penalty",
                   "num_return_sequences", "do_sample", "temperature", "top_k", "top_p", "seed",
-                  "early_stopping")
+                  "early_stopping", "repetition_penalty", "no_repeat_ngram_size")
 
 
 class ServerError(RuntimeError, grpc.RpcError):
@@ -80,15 +85,26 @@ def options_message(**options: Any) -> Any:
 
 def translate_request(texts: Sequence[str] | None = None, *, token_ids: Sequence[Sequence[int]]
                       | None = None, truncate: bool = False, request_id: str = "",
-                      model: str = "", **options: Any) -> Any:
-    """A TranslateRequest; `model` names one of the server's models ("": its default)."""
+                      model: str = "", source_language: str | None = None,
+                      target_language: str | None = None,
+                      target_prefix: str | Sequence[str] | None = None,
+                      **options: Any) -> Any:
+    """A TranslateRequest; `model` names one of the server's models ("": its default);
+    target_prefix: one for every input, or a list with one per input."""
     if isinstance(texts, str):
         raise ValueError("texts must be a list of strings, not one string")
+    for name, value in (("source_language", source_language),
+                        ("target_language", target_language)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{name} must be a string (one language for the request), got "
+                             f"{type(value).__name__}")
+    prefixes = [target_prefix] if isinstance(target_prefix, str) else list(target_prefix or [])
     return pb2.TranslateRequest(
         texts=list(texts or []),
         token_ids=[pb2.TokenIds(ids=list(ids)) for ids in token_ids or []],
         options=options_message(**options), truncate=truncate, request_id=request_id,
-        model=model)
+        model=model, source_language=source_language or "",
+        target_language=target_language or "", target_prefix=prefixes)
 
 
 def encode_request(texts: Sequence[str], pooling: str = "mean", per_token: bool = False,

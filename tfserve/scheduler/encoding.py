@@ -80,8 +80,9 @@ class EncoderRuns:
         self.outcomes.encoder_ran(chunk)
         searches = []
         for item in chunk:
-            assert item.job.options is not None
-            searches.append(make_search(item.job.options, backend.eos_token_id,
+            options = item.decoding_options
+            assert options is not None
+            searches.append(make_search(options, backend.eos_token_id,
                                         backend.decoder_start_token_id))
         return [Joining(searches, chunk, cross, attention_mask)]
 

@@ -181,6 +181,12 @@ class WorkItem:
     index: int
     source: list[int]
     max_rows: int = 1  # rows this input may occupy in the decoder batch
+    # how to decode this input (translate); None: the job's options
+    options: DecodingOptions | None = None
+
+    @property
+    def decoding_options(self) -> DecodingOptions | None:
+        return self.options if self.options is not None else self.job.options
 
     def finished_reason(self, now: float) -> str | None:
         """Why this item should stop now (None: keep going); fails an expired job."""
@@ -281,5 +287,5 @@ class Outcomes:
     def unstarted(self, item: WorkItem, reason: str) -> None:
         """An item dropped before it decoded (queued or encoded ahead): every step it would
         have taken is saved, and it held no decoder rows."""
-        options = item.job.options
+        options = item.decoding_options
         self.dropped(reason, 0, options.max_new_tokens or 0 if options is not None else 0)

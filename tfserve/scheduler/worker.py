@@ -125,15 +125,39 @@ class Scheduler:
 
     # -- submitting -------------------------------------------------------------------------
 
-    def submit_translate(self, sources: Sequence[Sequence[int]], options: DecodingOptions,
+    def submit_translate(self, sources: Sequence[Sequence[int]],
+                         options: DecodingOptions | Sequence[DecodingOptions],
                          deadline: float | None = None,
                          on_event: Callable[[StreamEvent], None] | None = None) -> Job:
-        """Queue token-id sources (each ending with eos) for translation with `options`.
+        """Queue token-id sources (each ending with eos) for translation with `options`: one
+        for every source, or a sequence with one per source (inputs of one request may
+        differ, e.g. in prefix_token_ids: a target prefix per text).
 
         Raises ValueError for options outside their limits, QueueFull, Unavailable.
         `on_event` (called on the worker thread) receives the tokens of every step for
         single-hypothesis searches and one final event per input.
         """
+        per_source = [options] * len(sources) if isinstance(options, DecodingOptions) \
+            else list(options)
+        if len(per_source) != len(sources):
+            raise ValueError(f"{len(per_source)} decoding options for {len(sources)} inputs")
+        checked: dict[int, DecodingOptions] = {}  # by id: a shared object is checked once
+        for given in per_source:
+            if id(given) not in checked:
+                checked[id(given)] = self._checked_options(given)
+        per_source = [checked[id(given)] for given in per_source]
+        job = Job("translate", per_source[0] if per_source else None, deadline, on_event,
+                  submitted=self.clock())
+        items = [WorkItem(job, index, list(source),
+                          max(item_options.num_beams, item_options.num_return_sequences),
+                          item_options)
+                 for index, (source, item_options) in enumerate(zip(sources, per_source))]
+        self._enqueue(job, items)
+        return job
+
+    def _checked_options(self, options: DecodingOptions) -> DecodingOptions:
+        """Options validated against the model and the batch size (ValueError naming the
+        field)."""
         options = options.validate(max_new_tokens_limit=self.max_new_tokens_limit,
                                    vocab_size=self.backend.vocab_size,
                                    eos_token_id=self.backend.eos_token_id)
@@ -142,11 +166,7 @@ class Scheduler:
             field_name = "num_beams" if options.num_beams >= max_rows else "num_return_sequences"
             raise ValueError(f"{field_name} is {max_rows}, over the server's max batch size of "
                              f"{self.config.max_batch_size}")
-        job = Job("translate", options, deadline, on_event, submitted=self.clock())
-        items = [WorkItem(job, index, list(source), max_rows)
-                 for index, source in enumerate(sources)]
-        self._enqueue(job, items)
-        return job
+        return options
 
     def submit_encode(self, sources: Sequence[Sequence[int]], pooling: str = "mean",
                       return_hidden_states: bool = False,

@@ -30,23 +30,29 @@ Decode = Callable[[list[int]], str]  # token ids -> text (the tokenizer's decode
 
 
 def option_fields(message: Any) -> OptionFields:
-    """proto DecodingOptions -> OptionFields (an unset optional field is None)."""
+    """proto DecodingOptions -> OptionFields: a field at 0 (false), or an `optional` one
+    left unset, is not given (None)."""
 
     def optional(name: str) -> Any:
         return getattr(message, name) if message.HasField(name) else None
 
+    def nonzero(name: str) -> Any:
+        return getattr(message, name) or None
+
     return OptionFields(
-        max_new_tokens=message.max_new_tokens,
-        min_new_tokens=message.min_new_tokens,
-        num_beams=message.num_beams,
+        max_new_tokens=nonzero("max_new_tokens"),
+        min_new_tokens=nonzero("min_new_tokens"),
+        num_beams=nonzero("num_beams"),
         length_penalty=optional("length_penalty"),
-        early_stopping=message.early_stopping,
-        num_return_sequences=message.num_return_sequences,
-        do_sample=message.do_sample,
+        early_stopping=optional("early_stopping"),
+        num_return_sequences=nonzero("num_return_sequences"),
+        do_sample=nonzero("do_sample"),
         temperature=optional("temperature"),
-        top_k=message.top_k,
+        top_k=nonzero("top_k"),
         top_p=optional("top_p"),
         seed=optional("seed"),
+        repetition_penalty=optional("repetition_penalty"),
+        no_repeat_ngram_size=optional("no_repeat_ngram_size"),
     )
 
 
@@ -54,7 +60,10 @@ def translate_input(request: Any) -> TranslateInput:
     """TranslateRequest -> TranslateInput."""
     return TranslateInput(texts=request.texts,
                           token_ids=[sequence.ids for sequence in request.token_ids],
-                          truncate=request.truncate, options=option_fields(request.options))
+                          truncate=request.truncate, options=option_fields(request.options),
+                          source_language=request.source_language,
+                          target_language=request.target_language,
+                          target_prefix=request.target_prefix)
 
 
 def encode_input(request: Any) -> EncodeInput:

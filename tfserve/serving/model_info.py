@@ -1,6 +1,7 @@
 """What the server tells clients about its model and limits: the `tfserve.v1.ModelInfo`
-message itself (with its `Limits` and `ParitySummary`), which the gRPC adapter sends as it is
-and the HTTP one as its JSON mapping.
+message itself (with its `Limits`, `ParitySummary`, the model's language codes and its
+`GenerationDefaults`), which the gRPC adapter sends as it is and the HTTP one as its JSON
+mapping.
 """
 
 from __future__ import annotations
@@ -9,8 +10,11 @@ import json
 from typing import Any
 
 from tfserve.generation import DecodingOptions
+from tfserve.generation_defaults import GenerationDefaults
 from tfserve.proto import load as load_stubs
+from tfserve.serving.requests import server_defaults
 from tfserve.settings import ServerConfig
+from tfserve.translation_inputs import model_languages
 from tfserve.version import __version__
 
 pb2 = load_stubs()[0]
@@ -26,9 +30,12 @@ def model_info(runtime: Any, config: ServerConfig, max_new_tokens_limit: int,
     manifest = runtime.manifest
     parity = dict(manifest.parity or {})
     describe = runtime.describe()
+    recorded = manifest.generation_defaults
+    applied = server_defaults(recorded, config.default_max_new_tokens)
+    defaults = applied.decoding_fields(0, max_new_tokens_limit)
     return ModelInfo(
         model_name=model.name,
-        source_language=model.source_language,
+        source_language=default_source_language(runtime.tokenizer, model.source_language),
         target_language=model.target_language,
         max_source_tokens=model.max_source_positions,
         max_target_tokens=model.max_target_positions,
@@ -46,7 +53,7 @@ def model_info(runtime: Any, config: ServerConfig, max_new_tokens_limit: int,
             max_batch_tokens=config.max_batch_tokens,
             max_queue=config.max_queue,
             max_message_bytes=config.max_message_bytes,
-            default_max_new_tokens=(config.default_max_new_tokens
+            default_max_new_tokens=(defaults.get("max_new_tokens")
                                     or DecodingOptions().validate(
                                         max_new_tokens_limit).max_new_tokens),
             max_beams=DecodingOptions.MAX_BEAMS,
@@ -64,4 +71,31 @@ def model_info(runtime: Any, config: ServerConfig, max_new_tokens_limit: int,
         ),
         model=name,
         version=version,
+        languages=model_languages(runtime.tokenizer),
+        generation_defaults=generation_defaults(recorded, defaults, runtime.tokenizer),
     )
+
+
+def default_source_language(tokenizer: Any, model_source_language: str) -> str:
+    """The source language a request without one gets: a multilingual model's default
+    (its checkpoint tokenizer's, "" when requests must name one), else the model's own."""
+    conventions = tokenizer.languages
+    return conventions.default_source if conventions is not None else model_source_language
+
+
+def generation_defaults(recorded: GenerationDefaults, applied: dict[str, Any],
+                        tokenizer: Any) -> Any:
+    """The GenerationDefaults message: the DecodingOptions fields the model's defaults give
+    a request without target prefix (`applied`), its forced first token, what model.json
+    records and what of it is not applied."""
+    message = pb2.GenerationDefaults(
+        recorded_json=json.dumps(recorded.to_dict(), sort_keys=True),
+        unapplied=recorded.unapplied(pad_token_id=tokenizer.pad_id))
+    for name, value in applied.items():
+        if name == "early_stopping":  # true, false or transformers' "never"
+            message.early_stopping = str(value).lower()
+        elif name in message.DESCRIPTOR.fields_by_name:
+            setattr(message, name, value)
+    if recorded.forced_bos_token_id is not None:
+        message.forced_bos_token_id = recorded.forced_bos_token_id
+    return message

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tfserve.generation import DecodingOptions
-from tfserve.inputs import POOLINGS, check_texts, tokenize_sources
+from tfserve.generation_defaults import GenerationDefaults
+from tfserve.inputs import POOLINGS, check_texts
 from tfserve.scheduler import Job, Scheduler, StreamEvent
 from tfserve.serving.status import InvalidArgument
 from tfserve.settings import ServerConfig
+from tfserve.translation_inputs import request_options, source_ids
 
 if TYPE_CHECKING:
     from tfserve.serving.calls import Call
@@ -60,47 +62,42 @@ def field_errors(prefix: str = "") -> Iterator[None]:
 
 @dataclass(frozen=True)
 class OptionFields:
-    """A request's decoding options as sent: 0 (or None, for fields that may be 0) means
-    "not given", and the server's default applies."""
+    """A request's decoding options as sent: None means "not given" (a proto field at 0, or
+    an `optional` one left unset), and the model's generation default, else the server's,
+    applies."""
 
-    max_new_tokens: int = 0
-    min_new_tokens: int = 0
-    num_beams: int = 0
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    num_beams: int | None = None
     length_penalty: float | None = None
-    early_stopping: bool = False
-    num_return_sequences: int = 0
-    do_sample: bool = False
+    early_stopping: bool | None = None
+    num_return_sequences: int | None = None
+    do_sample: bool | None = None
     temperature: float | None = None
-    top_k: int = 0
+    top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    repetition_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None
 
-
-def decoding_options(fields: OptionFields, default_max_new_tokens: int) -> DecodingOptions:
-    """OptionFields -> generation.DecodingOptions, defaults filled in (not validated yet)."""
-    return DecodingOptions(
-        max_new_tokens=fields.max_new_tokens or default_max_new_tokens or None,
-        min_new_tokens=fields.min_new_tokens,
-        num_beams=fields.num_beams or 1,
-        length_penalty=1.0 if fields.length_penalty is None else fields.length_penalty,
-        early_stopping=fields.early_stopping,
-        num_return_sequences=fields.num_return_sequences or 1,
-        do_sample=fields.do_sample,
-        temperature=1.0 if fields.temperature is None else fields.temperature,
-        top_k=fields.top_k,
-        top_p=1.0 if fields.top_p is None else fields.top_p,
-        seed=fields.seed,
-    )
+    def given(self) -> dict[str, Any]:
+        """The DecodingOptions fields the request sets (tfserve.translation_inputs'
+        `given`: the others take the defaults)."""
+        return {name: value for name, value in self.__dict__.items() if value is not None}
 
 
 @dataclass(frozen=True)
 class TranslateInput:
-    """A translate request: texts or token ids (one of them), and how to decode them."""
+    """A translate request: texts or token ids (one of them), their languages, target
+    prefixes (none, one for all inputs, or one per input), and how to decode them."""
 
     texts: Sequence[str] = ()
     token_ids: Sequence[Sequence[int]] = ()
     truncate: bool = False
     options: OptionFields = field(default_factory=OptionFields)
+    source_language: str = ""
+    target_language: str = ""
+    target_prefix: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -114,7 +111,15 @@ class EncodeInput:
 
 
 class Submitter:
-    """Checks requests against the model's and the server's limits and submits them."""
+    """Checks one model's requests against its limits and the server's, and submits them to
+    its scheduler.
+
+    Texts, languages, target prefixes and options become source ids and DecodingOptions
+    through tfserve.translation_inputs, as in the Translator: the source language's token
+    where the model's family puts it (truncation keeps it), the target language as the
+    forced first token, and the model's generation defaults (model.json "generation",
+    under the server's --default-max-new-tokens) for every option the request leaves unset.
+    """
 
     def __init__(self, runtime: Any, config: ServerConfig, scheduler: Scheduler) -> None:
         self.tokenizer = runtime.tokenizer
@@ -122,6 +127,11 @@ class Submitter:
         self.scheduler = scheduler
         self.max_source_tokens = int(runtime.max_source_positions)
         self.vocab_size = int(runtime.vocab_size)
+        self.start_token_id = int(runtime.decoder_start_token_id)
+        # a model without language codes accepts its own languages, and no other
+        self.model_languages = (runtime.config.source_language, runtime.config.target_language)
+        self.generation_defaults = server_defaults(runtime.manifest.generation_defaults,
+                                                   config.default_max_new_tokens)
 
     async def sources(self, request: TranslateInput, call: Call) -> list[list[int]]:
         """Token ids per input from texts or token_ids, with the shared checks."""
@@ -129,19 +139,24 @@ class Submitter:
             raise InvalidArgument("texts and token_ids are mutually exclusive: give one")
         if len(request.token_ids):
             call.texts = len(request.token_ids)
+            if request.source_language:
+                raise InvalidArgument("source_language applies to texts: token_ids are the "
+                                      "source as given (its language token among them)")
             return self.token_sources(request.token_ids, request.truncate)
         call.texts = len(request.texts)
-        return await self.tokenize(request.texts, request.truncate)
+        return await self.tokenize(request.texts, request.truncate, request.source_language)
 
-    async def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
-        """check_texts + tokenize_sources; large requests are tokenized off the event loop,
-        so that they do not stall every other call."""
+    async def tokenize(self, texts: Sequence[str], truncate: bool,
+                       source_language: str = "") -> list[list[int]]:
+        """check_texts + translation_inputs.source_ids; large requests are tokenized off the
+        event loop, so that they do not stall every other call."""
         with field_errors():
             checked = check_texts(list(texts), max_texts=self.config.max_texts_per_request)
-            args = (self.tokenizer, checked, self.max_source_tokens, truncate)
+            args = (self.tokenizer, checked, source_language or None, self.max_source_tokens,
+                    truncate, self.model_languages[0])
             if sum(len(text) for text in checked) <= INLINE_TOKENIZE_CHARS:
-                return tokenize_sources(*args)
-            return await asyncio.to_thread(tokenize_sources, *args)
+                return source_ids(*args)
+            return await asyncio.to_thread(source_ids, *args)
 
     def token_sources(self, sequences: Sequence[Sequence[int]],
                       truncate: bool) -> list[list[int]]:
@@ -171,17 +186,37 @@ class Submitter:
             sources.append(ids)
         return sources
 
-    def options(self, fields: OptionFields) -> DecodingOptions:
-        """The request's decoding options, validated; errors name `options.<field>`."""
-        with field_errors("options."):
-            options = decoding_options(fields, self.config.default_max_new_tokens)
-            return options.validate(max_new_tokens_limit=self.scheduler.max_new_tokens_limit)
+    async def options(self, request: TranslateInput, count: int) -> list[DecodingOptions]:
+        """The decoding options of each of the request's `count` inputs (inputs differ only
+        by their target prefix), validated; errors name `options.<field>`,
+        `target_language` or `target_prefix[i]`. Long prefixes are tokenized off the event
+        loop."""
+        prefixes = target_prefixes(request.target_prefix, count)
+        if sum(len(prefix) for _, prefix in prefixes) <= INLINE_TOKENIZE_CHARS:
+            return self._options(request, prefixes)
+        return await asyncio.to_thread(self._options, request, prefixes)
+
+    def _options(self, request: TranslateInput,
+                 prefixes: list[tuple[str, str]]) -> list[DecodingOptions]:
+        given = request.options.given()
+        built: dict[str, DecodingOptions] = {}  # one object per distinct prefix
+        for field_name, prefix in prefixes:
+            if prefix in built:
+                continue
+            try:
+                built[prefix] = request_options(
+                    self.tokenizer, self.generation_defaults, given, self.start_token_id,
+                    self.scheduler.max_new_tokens_limit, request.target_language or None,
+                    prefix or None, self.vocab_size, self.model_languages[1])
+            except ValueError as exc:
+                raise request_error(exc, field_name) from exc
+        return [built[prefix] for _, prefix in prefixes]
 
     async def submit_translate(self, request: TranslateInput, call: Call,
                                on_event: Callable[[StreamEvent], None] | None = None) -> Job:
         """Check, tokenize and queue a translate request; on_event streams its tokens."""
         sources = await self.sources(request, call)
-        options = self.options(request.options)
+        options = await self.options(request, len(sources))
         with field_errors("options."):
             return self.scheduler.submit_translate(sources, options, deadline=call.deadline,
                                                    on_event=on_event)
@@ -197,3 +232,39 @@ class Submitter:
         with field_errors():
             return self.scheduler.submit_encode(sources, pooling, request.return_hidden_states,
                                                 deadline=call.deadline)
+
+
+def server_defaults(model_defaults: GenerationDefaults,
+                    default_max_new_tokens: int | None) -> GenerationDefaults:
+    """The model's generation defaults under the server's --default-max-new-tokens, which
+    takes precedence over the checkpoint's max_new_tokens / max_length (and, like them,
+    never exceeds what the model can take after a target prefix)."""
+    if not default_max_new_tokens:
+        return model_defaults
+    return GenerationDefaults({**model_defaults.fields,
+                               "max_new_tokens": default_max_new_tokens})
+
+
+def target_prefixes(given: Sequence[str], count: int) -> list[tuple[str, str]]:
+    """(the field name errors use, the prefix) for each of `count` inputs: none given, one
+    for every input, or one per input."""
+    if not len(given):
+        return [("target_prefix", "")] * count
+    if len(given) == 1:
+        return [("target_prefix[0]", given[0])] * count
+    if len(given) != count:
+        raise InvalidArgument(f"target_prefix holds {len(given)} items for {count} inputs: "
+                              "give none, one for every input, or one per input")
+    return [(f"target_prefix[{index}]", prefix) for index, prefix in enumerate(given)]
+
+
+def request_error(exc: ValueError, prefix_field: str) -> InvalidArgument:
+    """translation_inputs' error as the request's field: a language error names its own
+    field, a target prefix error the prefix's place in the request, anything else is an
+    option (`options.<field>`)."""
+    message = str(exc)
+    if message.startswith(("target_language", "source_language")):
+        return InvalidArgument(message)
+    if message.startswith("target_prefix"):
+        return InvalidArgument(prefix_field + message[len("target_prefix"):])
+    return InvalidArgument(f"options.{message}")
