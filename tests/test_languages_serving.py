@@ -4,8 +4,8 @@ gRPC, HTTP/JSON, the Python client and the CLI, against a served NLLB-style mode
 A tiny random NLLB-200-style checkpoint (M2M100ForConditionalGeneration with NllbTokenizer
 and four language codes; tests/family_helpers.py) is exported with `python -m export
 --from-hf` and served from a repository of two models: `nllb` as exported, and `nllb-beams3`,
-the same artifacts whose model.json records a generation_config.json asking for num_beams 3
-and early_stopping.
+the same artifacts whose model.json records a generation_config.json asking for num_beams 3,
+early_stopping and forced_eos_token_id (eos ends an output that reaches max_new_tokens).
 Answers are compared with the Translator on the same artifacts (which tests/test_families.py
 checks against transformers) and, for the repetition controls, with transformers' generate
 itself. Nothing is downloaded; transformers is a test-only dependency (skipped without it).
@@ -41,8 +41,10 @@ from tfserve.translator import Translator  # noqa: E402
 SOURCE = "eng_Latn"
 TEXTS = fh.sentences(4, seed=31)
 TRANSPORTS = ("grpc", "http")
-# the generation defaults recorded for nllb-beams3
-BEAMS3 = {"num_beams": 3, "early_stopping": True}
+# the generation defaults recorded for nllb-beams3 (2 is the model's eos), and the options
+# they give
+BEAMS3 = {"num_beams": 3, "early_stopping": True, "forced_eos_token_id": 2}
+BEAMS3_OPTIONS = {"num_beams": 3, "early_stopping": True, "forced_eos": True}
 # the options of the requests that share a batch: every row lives at least MIN_NEW steps
 # (eos is banned before), so that rows joining a few steps later find the others running
 MIN_NEW, MAX_NEW = 8, 14
@@ -308,6 +310,8 @@ def test_model_info_lists_languages_and_generation_defaults(server: ServerThread
     assert beams.generation_defaults.HasField("num_beams")
     assert beams.generation_defaults.num_beams == 3
     assert beams.generation_defaults.early_stopping == "true"
+    assert beams.generation_defaults.forced_eos and not plain.generation_defaults.forced_eos
+    assert list(beams.generation_defaults.unapplied) == []
     assert plain.generation_defaults.early_stopping == ""
     assert json.loads(beams.generation_defaults.recorded_json) == {
         "decoder_start_token_id": 2, **BEAMS3}
@@ -326,20 +330,22 @@ def test_generation_defaults_fill_the_options_a_request_leaves_unset(
         transport: str, server: ServerThread, client: Client, translator: Translator) -> None:
     """nllb-beams3 searches with 3 beams and early stopping when num_beams is unset (0 on
     the wire) and early_stopping left out, greedily when the request says num_beams 1, and
-    without early stopping when it says early_stopping false; nllb, which records neither,
-    greedily."""
+    without early stopping when it says early_stopping false, always ending an output at
+    max_new_tokens with eos; nllb, which records none of these, greedily without."""
     request = dict(source_language=SOURCE, target_language="deu_Latn", max_new_tokens=12)
-    beam3 = offline(translator, TEXTS, **BEAMS3, **request)
-    beam3_late = offline(translator, TEXTS, num_beams=3, early_stopping=False, **request)
+    beam3 = offline(translator, TEXTS, **BEAMS3_OPTIONS, **request)
+    beam3_late = offline(translator, TEXTS, **{**BEAMS3_OPTIONS, "early_stopping": False},
+                         **request)
+    greedy_eos = offline(translator, TEXTS, num_beams=1, forced_eos=True, **request)
     greedy = offline(translator, TEXTS, num_beams=1, **request)
-    assert len({str(beam3), str(beam3_late), str(greedy)}) == 3
+    assert len({str(beam3), str(beam3_late), str(greedy_eos), str(greedy)}) == 4
 
     def served(**kwargs: Any) -> list[list[int]]:
         return tokens(translate(transport, server, client, TEXTS, **request, **kwargs))
 
     assert served(model="nllb-beams3") == beam3
     assert served(model="nllb-beams3", early_stopping=False) == beam3_late
-    assert served(model="nllb-beams3", num_beams=1) == greedy
+    assert served(model="nllb-beams3", num_beams=1) == greedy_eos
     assert served(model="nllb") == greedy
 
 
@@ -380,8 +386,8 @@ def test_cli_language_prefix_and_control_flags_offline_and_with_a_server(
                                           *extra, *TEXTS])
         assert code == 0, err
         assert [json.loads(line)["hypotheses"][0]["token_ids"] for line in out.splitlines()] \
-            == offline(translator, TEXTS, target_language="deu_Latn", num_beams=3,
-                       early_stopping=stopping, max_new_tokens=12)
+            == offline(translator, TEXTS, target_language="deu_Latn",
+                       **{**BEAMS3_OPTIONS, "early_stopping": stopping}, max_new_tokens=12)
 
 
 @pytest.mark.parametrize("where", ["offline", "server"])

@@ -32,7 +32,7 @@ def model_info(runtime: Any, config: ServerConfig, max_new_tokens_limit: int,
     describe = runtime.describe()
     recorded = manifest.generation_defaults
     applied = server_defaults(recorded, config.default_max_new_tokens)
-    defaults = applied.decoding_fields(0, max_new_tokens_limit)
+    defaults = applied.decoding_fields(0, max_new_tokens_limit, runtime.tokenizer.eos_id)
     return ModelInfo(
         model_name=model.name,
         source_language=default_source_language(runtime.tokenizer, model.source_language),
@@ -90,7 +90,8 @@ def generation_defaults(recorded: GenerationDefaults, applied: dict[str, Any],
     records and what of it is not applied."""
     message = pb2.GenerationDefaults(
         recorded_json=json.dumps(recorded.to_dict(), sort_keys=True),
-        unapplied=recorded.unapplied(pad_token_id=tokenizer.pad_id))
+        unapplied=recorded.unapplied(pad_token_id=tokenizer.pad_id,
+                                     eos_token_id=tokenizer.eos_id))
     for name, value in applied.items():
         if name == "early_stopping":  # true, false or transformers' "never"
             message.early_stopping = str(value).lower()
