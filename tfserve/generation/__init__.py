@@ -8,9 +8,10 @@ The searches advance rows that `tfserve.batch.DecodeBatch` (continuous batching)
 many of them at once; offline `tfserve.batch.generate` is that loop with every search added
 up front.
 
-Every search starts from a single row holding the decoder start token; beam search and
-sampling fan out to their beams / samples after the first step, so the first step and the
-cross-attention K/V are never computed per beam.
+Every search starts from a single row holding the decoder start token (the model's, or the
+request's own: DecodingOptions.decoder_start_token_id); beam search and sampling fan out to
+their beams / samples after the first step, so the first step and the cross-attention K/V
+are never computed per beam.
 
 Modules: `backend` (what a model must offer), `options` (DecodingOptions, Hypothesis),
 `kernels` (numpy passes over logits and their thread pool), `controls` (repetition_penalty
