@@ -716,6 +716,24 @@ def test_the_poller_finds_a_new_model(tmp_path: Path, random_model: Path) -> Non
         assert client.translate(["seven"], model="beta", max_new_tokens=2)
 
 
+def test_an_empty_repository_serves_once_a_model_is_added(tmp_path: Path,
+                                                          random_model: Path) -> None:
+    repository = tmp_path / "repo"
+    repository.mkdir()
+    with ServerThread(repository_args(repository)) as server, \
+            Client(server.target, timeout=60) as client:
+        with pytest.raises(ServerError) as raised:
+            client.translate(["seven"])
+        assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+        assert raised.value.details() == (f"no model is served: --model-repository "
+                                          f"{repository} holds no model now (a subdirectory "
+                                          "with a model.json)")
+        assert client.list_models() == []
+        shutil.copytree(random_model, repository / "alpha")
+        rescan(server)
+        assert client.translate(["seven"], max_new_tokens=2)  # the only model: the default
+
+
 def test_model_dir_is_a_repository_of_one(random_model: Path) -> None:
     args = ["--model", str(random_model), "--host", "127.0.0.1", "--port", "0",
             "--metrics-port", "0", "--http-port", "0", "--threads", "1", "--log-level",
@@ -746,9 +764,12 @@ def test_a_lone_request_to_an_idle_model_is_answered_while_another_is_saturated(
     with ServerThread(args) as server, ThreadPoolExecutor(48) as pool, \
             Client(server.target, timeout=120) as client:
         busy = server.server.repository.loaded("busy")
-        load = [pool.submit(client.translate, ["three hundred and forty-two"], model="busy",
-                            max_new_tokens=120, min_new_tokens=120) for _ in range(48)]
-        server.wait_until(lambda: busy.in_flight == 48 and len(busy.scheduler._batch) == 8)
+        with Gate(busy.scheduler) as gate:  # held until all 48 are in: then it runs them
+            load = [pool.submit(client.translate, ["three hundred and forty-two"],
+                                model="busy", max_new_tokens=120, min_new_tokens=120)
+                    for _ in range(48)]
+            server.wait_until(lambda: busy.in_flight == 48)
+            gate.wait_held()  # the first 8 are joined, before their first step
         assert client.translate(["seven"], model="idle", max_new_tokens=2)
         finished = requests_total(server, "busy")
         assert finished < 48, "the lone request waited for the saturated model"

@@ -194,7 +194,8 @@ class ModelRepository:
     def _names_text(self) -> str:
         names = list(self.slots)
         if not names:
-            return "the repository holds no models now"
+            return (f"--model-repository {self.directory} holds no model now (a subdirectory "
+                    "with a model.json)")
         shown_names = ", ".join(names[:MAX_NAMES_SHOWN])
         more = f" and {len(names) - MAX_NAMES_SHOWN} more" if len(names) > MAX_NAMES_SHOWN else ""
         return f"the models are: {shown_names}{more} (ListModels, GET /v1/models)"
@@ -202,6 +203,8 @@ class ModelRepository:
     def slot(self, name: str) -> ModelSlot:
         """The slot a request's `model` names; ModelNotFound naming the models served, or
         InvalidArgument when `model` is empty and there is no default."""
+        if not self.slots:
+            raise ModelNotFound(f"no model is served: {self._names_text()}")
         if not name:
             name = self.default_name
             if not name:
@@ -262,6 +265,10 @@ class ModelRepository:
         order, as far as the limits allow (no unloading at start); the others stay unloaded
         until a request comes. A failure fails the start when `strict`, else marks the model
         failed."""
+        if not self.slots:
+            log.warning("model repository %s holds no model (a subdirectory with a "
+                        "model.json): every request is NOT_FOUND until one is added",
+                        self.directory)
         lazy = self.config.load == "lazy"
         for slot in self.slots.values():
             preloaded = slot.name in self.preloaded
