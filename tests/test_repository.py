@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import signal
 import subprocess
@@ -49,6 +50,17 @@ from tfserve.serving.model_scan import Entry, read_entry, scan
 from tfserve.serving.repository import ModelRepository
 from tfserve.serving.status import ModelCapacity, ModelLoadFailed, ModelNotFound
 from tfserve.settings import parse_config
+
+
+@pytest.fixture
+def caplog(caplog: pytest.LogCaptureFixture,
+           monkeypatch: pytest.MonkeyPatch) -> pytest.LogCaptureFixture:
+    """pytest's caplog, with tfserve's records reaching it even after a test in this process
+    ran tfserve.logs.setup_logging (which stops them at the `tfserve` logger)."""
+    monkeypatch.setattr(logging.getLogger("tfserve"), "propagate", True)
+    caplog.set_level(logging.INFO, logger="tfserve")
+    return caplog
+
 
 # -- a repository on the event loop, with fake models ---------------------------------------
 
