@@ -452,8 +452,9 @@ def test_generate_defaults_of_opus_mt(checkpoints, sources, search_backends):
     """transformers' generate() with all of the checkpoint's generation defaults (as opus-mt
     ships them: bad_words_ids [[pad]] and forced_eos_token_id = eos) equals tfserve's greedy
     search with max_new_tokens - 1: at max_length transformers replaces the last token by a
-    forced eos (ForcedEOSTokenLogitsProcessor), which tfserve.generation does not do. The
-    defaults are recorded in model.json (model.extra.hf_generation) for whoever wires them.
+    forced eos (ForcedEOSTokenLogitsProcessor), which tfserve does only when asked
+    (DecodingOptions.forced_eos, filled from the checkpoint's defaults by
+    tfserve.generation_defaults; tests/test_decoding_controls.py checks it at the limit).
     """
     _, model = checkpoints["a"]
     _, batch = sources
