@@ -261,6 +261,27 @@ def test_token_ids_take_a_target_language_but_no_source_language(
     assert raised.value.details().startswith("source_language applies to texts")
 
 
+def test_encode_places_the_requests_source_language(server: ServerThread, client: Client,
+                                                    translator: Translator) -> None:
+    """Encode frames each text with the request's source language, as Translate does; an
+    unknown code is refused naming the field, over both transports."""
+    for language in (SOURCE, "fra_Latn"):
+        expected = [translator.tokenizer.encode(text, language) for text in TEXTS]
+        assert [e.token_ids for e in client.encode(TEXTS, source_language=language)] == expected
+        status, answer = http_call(server, "POST", "/v1/encode",
+                                   {"texts": TEXTS, "sourceLanguage": language})
+        assert status == 200
+        assert [[int(i) for i in e["tokenIds"]] for e in answer["embeddings"]] == expected
+    assert expected != [translator.tokenizer.encode(text, SOURCE) for text in TEXTS]
+    with pytest.raises(ServerError) as raised:
+        client.encode(TEXTS, source_language="xxx_Latn")
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details().startswith("source_language"), raised.value.details()
+    status, answer = http_call(server, "POST", "/v1/encode",
+                               {"texts": TEXTS, "sourceLanguage": "xxx_Latn"})
+    assert status == 400 and answer["error"]["message"].startswith("source_language")
+
+
 # -- repetition controls --------------------------------------------------------------------
 
 

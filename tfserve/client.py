@@ -108,11 +108,13 @@ def translate_request(texts: Sequence[str] | None = None, *, token_ids: Sequence
 
 
 def encode_request(texts: Sequence[str], pooling: str = "mean", per_token: bool = False,
-                   truncate: bool = False, request_id: str = "", model: str = "") -> Any:
+                   truncate: bool = False, request_id: str = "", model: str = "",
+                   source_language: str | None = None) -> Any:
     if isinstance(texts, str):
         raise ValueError("texts must be a list of strings, not one string")
     return pb2.EncodeRequest(texts=list(texts), pooling=pooling, return_hidden_states=per_token,
-                             truncate=truncate, request_id=request_id, model=model)
+                             truncate=truncate, request_id=request_id, model=model,
+                             source_language=source_language or "")
 
 
 @dataclass
@@ -255,9 +257,11 @@ class Client(_Base):
 
     def encode(self, texts: Sequence[str], pooling: str = "mean", per_token: bool = False,
                truncate: bool = False, *, timeout: float | None = None,
-               request_id: str = "", model: str = "") -> list[Encoding]:
+               request_id: str = "", model: str = "",
+               source_language: str | None = None) -> list[Encoding]:
         """Pooled embedding (and, with per_token, hidden states [len,D]) per text."""
-        request = encode_request(texts, pooling, per_token, truncate, request_id, model)
+        request = encode_request(texts, pooling, per_token, truncate, request_id, model,
+                                 source_language)
         return _encodings(self._call(self.stub.Encode, request, timeout))
 
     def model_info(self, timeout: float | None = None, model: str = "") -> Any:
@@ -336,8 +340,10 @@ class AsyncClient(_Base):
 
     async def encode(self, texts: Sequence[str], pooling: str = "mean", per_token: bool = False,
                      truncate: bool = False, *, timeout: float | None = None,
-                     request_id: str = "", model: str = "") -> list[Encoding]:
-        request = encode_request(texts, pooling, per_token, truncate, request_id, model)
+                     request_id: str = "", model: str = "",
+                     source_language: str | None = None) -> list[Encoding]:
+        request = encode_request(texts, pooling, per_token, truncate, request_id, model,
+                                 source_language)
         return _encodings(await self._call(self.stub.Encode, request, timeout))
 
     async def model_info(self, timeout: float | None = None, model: str = "") -> Any:

@@ -69,7 +69,8 @@ def translate_input(request: Any) -> TranslateInput:
 def encode_input(request: Any) -> EncodeInput:
     """EncodeRequest -> EncodeInput."""
     return EncodeInput(texts=request.texts, truncate=request.truncate, pooling=request.pooling,
-                       return_hidden_states=request.return_hidden_states)
+                       return_hidden_states=request.return_hidden_states,
+                       source_language=request.source_language)
 
 
 # -- responses ------------------------------------------------------------------------------

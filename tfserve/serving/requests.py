@@ -102,12 +102,14 @@ class TranslateInput:
 
 @dataclass(frozen=True)
 class EncodeInput:
-    """An encode request: texts, the pooling ("" for mean), per-token states or not."""
+    """An encode request: texts, the pooling ("" for mean), per-token states or not, and
+    the texts' language ("" for the model's default)."""
 
     texts: Sequence[str] = ()
     truncate: bool = False
     pooling: str = ""
     return_hidden_states: bool = False
+    source_language: str = ""
 
 
 class Submitter:
@@ -228,7 +230,7 @@ class Submitter:
         if pooling not in POOLINGS:
             raise InvalidArgument(f"pooling must be one of {', '.join(POOLINGS)}, "
                                   f"got {shown(pooling)}")
-        sources = await self.tokenize(request.texts, request.truncate)
+        sources = await self.tokenize(request.texts, request.truncate, request.source_language)
         with field_errors():
             return self.scheduler.submit_encode(sources, pooling, request.return_hidden_states,
                                                 deadline=call.deadline)
