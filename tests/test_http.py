@@ -286,6 +286,13 @@ def test_malformed_bodies_are_400s(server: ServerThread, raw: bytes,
         "rpc": "Translate", "code": "INVALID_ARGUMENT"}) == before + 1  # a call like others
 
 
+def test_the_page_is_utf8_html(server: ServerThread) -> None:
+    answer = request(server.http_url, "GET", "/")
+    assert answer.status == 200
+    assert answer.headers["Content-Type"] == "text/html; charset=utf-8"
+    assert b"<html" in answer.body.lower()
+
+
 def test_unknown_routes_and_wrong_methods_answer_json(server: ServerThread) -> None:
     answer = request(server.http_url, "GET", "/v1/nothing")
     assert answer.status == 404 and answer.error()[0] == "NOT_FOUND"

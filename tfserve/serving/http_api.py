@@ -379,7 +379,7 @@ class HttpApi:
         if not page.is_file():
             return error_response(Status.NOT_FOUND.name, "no playground page in this install "
                                   f"({page} is missing)", 404)
-        return web.FileResponse(page)
+        return web.FileResponse(page, headers={"Content-Type": "text/html; charset=utf-8"})
 
 
 # -- middlewares ----------------------------------------------------------------------------
