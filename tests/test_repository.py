@@ -586,6 +586,17 @@ def test_list_models_shows_states_and_health_follows_them(tmp_path: Path,
         response = client.stub.ListModels(pb2.ListModelsRequest(), timeout=60)
         assert status == 200 and body == json_format.MessageToDict(response)
         assert body["models"][0]["state"] == "MODEL_STATE_LOADED"
+        # the same per-model health over HTTP, by KServe's name
+        assert http(server, "GET", "/v2/models/alpha/ready") == (
+            200, {"name": "alpha", "ready": True, "state": "loaded"})
+        assert http(server, "GET", "/v2/models/beta/ready") == (
+            200, {"name": "beta", "ready": True, "state": "unloaded"})
+        status, body = http(server, "GET", "/v2/models/broken/ready")
+        assert status == 503 and body["error"]["code"] == "UNAVAILABLE"
+        assert "model 'broken' is not serving: its last load failed" in body["error"]["message"]
+        status, body = http(server, "GET", "/v2/models/gamma/ready")
+        assert status == 404 and body["error"]["code"] == "NOT_FOUND"
+        assert "alpha" in body["error"]["message"]
 
 
 def test_concurrent_first_requests_load_the_model_once(tmp_path: Path,

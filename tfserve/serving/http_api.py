@@ -54,7 +54,7 @@ from tfserve.serving.messages import (
 )
 from tfserve.serving.openapi import Operation, openapi_document
 from tfserve.serving.requests import shown
-from tfserve.serving.status import InvalidArgument, ResponseTooLarge, Status
+from tfserve.serving.status import InvalidArgument, ModelNotFound, ResponseTooLarge, Status
 from tfserve.serving.stream import TokenStream
 
 log = logging.getLogger("tfserve.server")
@@ -222,6 +222,12 @@ ROUTES = (
                     content="application/json", secured=False), "live"),
     Route(Operation("GET", "/v2/health/ready", "Readiness (KServe v2 name)",
                     content="application/json", secured=False, errors=(503,)), "ready"),
+    Route(Operation("GET", "/v2/models/{name}/ready",
+                    "One model's readiness (KServe v2 name): 200 while the server is ready and "
+                    "the model answers or can be loaded; 503 while starting or draining, or "
+                    "after its last load failed; 404 for a model not served",
+                    content="application/json", secured=False, errors=(404, 503)),
+          "model_ready"),
     Route(Operation("GET", "/openapi.json", "This document", content="application/json",
                     errors=(401,)), "openapi"),
 )
@@ -370,6 +376,21 @@ class HttpApi:
         if reason:
             return error_response(Status.UNAVAILABLE.name, reason, 503)
         return web.json_response({"ready": True})
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        """The repository's per-model health (as gRPC's `tfserve.v1.Translator/<model>`)
+        under the server's own readiness."""
+        name = request.match_info["name"]
+        try:
+            slot = self.core.repository.slot(name)
+        except ModelNotFound as exc:
+            return error_response(Status.NOT_FOUND.name, str(exc), 404)
+        reason = self.ready_reason()
+        if not reason and slot.health != "SERVING":
+            reason = f"model {shown(name)} is not serving: its last load failed ({slot.error})"
+        if reason:
+            return error_response(Status.UNAVAILABLE.name, reason, 503)
+        return web.json_response({"name": slot.name, "ready": True, "state": slot.state})
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=self.document, content_type="application/json")
