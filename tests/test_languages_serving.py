@@ -282,6 +282,20 @@ def test_encode_places_the_requests_source_language(server: ServerThread, client
     assert status == 400 and answer["error"]["message"].startswith("source_language")
 
 
+def test_min_new_tokens_zero_overrides_a_model_minimum() -> None:
+    """DecodingOptions.min_new_tokens is optional: unset takes the model's min_length, an
+    explicit 0 sets no minimum against it."""
+    from tfserve.generation_defaults import GenerationDefaults
+    from tfserve.serving.messages import option_fields, pb2
+
+    defaults = GenerationDefaults({"min_new_tokens": 5})
+    unset = option_fields(pb2.DecodingOptions(max_new_tokens=9))
+    zero = option_fields(pb2.DecodingOptions(max_new_tokens=9, min_new_tokens=0))
+    assert unset.min_new_tokens is None and zero.min_new_tokens == 0
+    assert defaults.merge({"max_new_tokens": 9})["min_new_tokens"] == 5
+    assert defaults.merge({"max_new_tokens": 9, "min_new_tokens": 0})["min_new_tokens"] == 0
+
+
 # -- repetition controls --------------------------------------------------------------------
 
 

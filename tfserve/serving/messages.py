@@ -41,7 +41,7 @@ def option_fields(message: Any) -> OptionFields:
 
     return OptionFields(
         max_new_tokens=nonzero("max_new_tokens"),
-        min_new_tokens=nonzero("min_new_tokens"),
+        min_new_tokens=optional("min_new_tokens"),
         num_beams=nonzero("num_beams"),
         length_penalty=optional("length_penalty"),
         early_stopping=optional("early_stopping"),
