@@ -17,7 +17,7 @@ from server_helpers import ServerProcess, ServerThread, free_port, server_args
 from test_workers import free_ports
 
 from tfserve.client import Client
-from tfserve.inputs import tokenize_sources
+from tfserve.translation_inputs import source_ids
 
 
 def scrape(port: int) -> str:
@@ -49,8 +49,8 @@ def served(random_model: Path) -> Any:
                 sent["TranslateStream"] += sum(len(source) + 1 for source in sources)
             client.encode(["seven", "sixty"])
         runtime = server.server.runtime
-        sent["Encode"] = sum(len(source) for source in tokenize_sources(
-            runtime.tokenizer, ["seven", "sixty"], runtime.max_source_positions, False))
+        sent["Encode"] = sum(len(source) for source in source_ids(
+            runtime.tokenizer, ["seven", "sixty"], None, runtime.max_source_positions))
         yield scrape(server.server.metrics_port), sent
 
 

@@ -1,8 +1,9 @@
 """Request inputs, checked and batched the same way by every front end and by the scheduler.
 
-The checks (`check_texts`, `tokenize_sources`) make each bad input a ValueError naming the
-field and the limit; `length_groups` cuts inputs into encoder batches; `pool` and
-`encoder_hidden_states` turn encoder output into sentence embeddings. Only numpy is imported:
+`check_texts` makes each bad input a ValueError naming the field and the limit (texts are
+tokenized, within MAX_CHARS_PER_TOKEN characters per token, by tfserve.translation_inputs);
+`length_groups` cuts inputs into encoder batches; `pool` and `encoder_hidden_states` turn
+encoder output into sentence embeddings. Only numpy is imported:
 the scheduler and the user-facing translator both build on this module.
 """
 
@@ -16,7 +17,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     from tfserve.generation import Backend
-    from tfserve.tokenizer import Tokenizer
 
 POOLINGS = ("mean", "max", "first")
 DEFAULT_MAX_TEXTS = 256
@@ -91,30 +91,3 @@ def check_texts(texts: Any, max_texts: int = DEFAULT_MAX_TEXTS) -> list[str]:
         if not text.strip():
             raise ValueError(f"texts[{index}] is empty")
     return list(texts)
-
-
-def tokenize_sources(tokenizer: Tokenizer, texts: Sequence[str], max_source_tokens: int,
-                     truncate: bool) -> list[list[int]]:
-    """Token ids per text; over-long texts are an error naming the text, or truncated.
-
-    A text of more than MAX_CHARS_PER_TOKEN characters per source token cannot fit, whatever
-    its pieces: it is refused (or cut) before the tokenizer sees it, so that a huge text
-    costs neither the tokenizer's time nor its memory.
-    """
-    char_limit = max_source_tokens * MAX_CHARS_PER_TOKEN
-    sources = []
-    for index, text in enumerate(texts):
-        if len(text) > char_limit:
-            if not truncate:
-                raise ValueError(f"texts[{index}] is {len(text)} characters, over the limit of "
-                                 f"{char_limit} ({MAX_CHARS_PER_TOKEN} per source token; "
-                                 "truncate=True cuts it)")
-            text = text[:char_limit]
-        ids = tokenizer.encode(text)
-        if len(ids) > max_source_tokens:
-            if not truncate:
-                raise ValueError(f"texts[{index}] is {len(ids)} tokens, over the limit of "
-                                 f"{max_source_tokens} source tokens (truncate=True cuts it)")
-            ids = ids[: max_source_tokens - 1] + [tokenizer.eos_id]
-        sources.append(ids)
-    return sources

@@ -40,7 +40,6 @@ from tfserve.inputs import (
     encoder_hidden_states,
     length_groups,
     pool,
-    tokenize_sources,
 )
 from tfserve.scheduler.config import SchedulerConfig
 from tfserve.tokenizer import Tokenizer
@@ -74,7 +73,6 @@ __all__ = [
     "encoder_hidden_states",
     "length_groups",
     "pool",
-    "tokenize_sources",
 ]
 
 
@@ -242,13 +240,15 @@ class Translator:
         return [hyps[0].text for hyps in
                 self.translate_hypotheses(texts, options, truncate, **overrides)]
 
-    def encode(self, texts: Sequence[str], pooling: str = "mean",
-               truncate: bool = False) -> list[Encoding]:
-        """Encoder hidden states and a pooled embedding per text, in input order."""
+    def encode(self, texts: Sequence[str], pooling: str = "mean", truncate: bool = False,
+               source_language: str | None = None) -> list[Encoding]:
+        """Encoder hidden states and a pooled embedding per text, in input order; the texts
+        framed as translate frames them (source_language: a multilingual model's code)."""
         texts = check_texts(texts, max_texts=10**9)
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        sources = tokenize_sources(self.tokenizer, texts, self.max_source_tokens, truncate)
+        sources = source_ids(self.tokenizer, texts, source_language, self.max_source_tokens,
+                             truncate, self.model_languages[0])
         out: list[Encoding | None] = [None] * len(texts)
         for batch in self._batches(sources):
             input_ids, attention_mask = self.tokenizer.pad_batch([sources[i] for i in batch])
