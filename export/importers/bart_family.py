@@ -35,10 +35,15 @@ from typing import Any
 import torch
 
 from export.importers.hf_files import (
+    EMBEDDING_ALIASES,
     checkpoint_name,
+    float_tensor,
     load_weights,
     read_json,
     read_weights,
+    refuse_missing,
+    refuse_unexpected,
+    shared_table,
     weight_files,
 )
 from export.sources import Source, SourceError
@@ -73,7 +78,6 @@ COMMON_DEFAULTS: dict[str, Any] = {
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}
 
-EMBEDDING_ALIASES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 POSITION_KEYS = ("encoder.embed_positions.weight", "decoder.embed_positions.weight")
 # what transformers itself ignores when it loads these checkpoints: fairseq's version
 # counters and M2M100's stored sinusoidal tables (recomputed, as tfserve recomputes them)
@@ -271,59 +275,23 @@ def _strip(key: str) -> str:
     return key[len("model."):] if key.startswith("model.") else key
 
 
-def shared_table(state: dict[str, torch.Tensor], cfg: ModelConfig,
-                 where: str) -> torch.Tensor:
-    """The one token table: `shared`, or what the stacks hold (which must equal it); a tied
-    lm_head must equal it too."""
-    tables = {name: state[name] for name in ("shared.weight", *EMBEDDING_ALIASES)
-              if name in state}
-    if not tables:
-        raise SourceError(f"{where}: no token embedding table (model.shared.weight)")
-    reference_name = "shared.weight" if "shared.weight" in tables else next(iter(tables))
-    reference = tables[reference_name]
-    for name, table in tables.items():
-        if name != reference_name and (table.shape != reference.shape
-                                       or not torch.equal(table, reference)):
-            raise SourceError(f"{where}: {name} differs from the shared embedding "
-                              f"{reference_name}; tfserve's model has one token table")
-    head = state.get("lm_head.weight")
-    if cfg.tie_word_embeddings and head is not None and (
-            head.shape != reference.shape or not torch.equal(head, reference)):
-        raise SourceError(f"{where}: tie_word_embeddings is true but lm_head.weight differs "
-                          "from the shared embedding")
-    return reference
-
-
 def map_weights(family: Family, state: dict[str, torch.Tensor], cfg: ModelConfig,
                 where: str) -> dict[str, torch.Tensor]:
     """HF state dict -> our parameter names, float32, with every name and shape checked."""
     state = {_strip(k): v for k, v in state.items()}
-    state["shared.weight"] = shared_table(state, cfg, where)
+    state["shared.weight"] = shared_table(state, where, cfg.tie_word_embeddings)
     mapped_names = key_map(family, cfg)
     skipped = set(EMBEDDING_ALIASES)
     if cfg.tie_word_embeddings:
         skipped.add("lm_head.weight")
-    unexpected = sorted(k for k in state if k not in mapped_names and k not in skipped
-                        and not IGNORED.match(k))
-    if unexpected:
-        raise SourceError(f"{where}: tensor(s) with no place in tfserve's model: "
-                          f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+    refuse_unexpected([k for k in state if k not in mapped_names and k not in skipped
+                       and not IGNORED.match(k)], where)
     if family.final_logits_bias and "final_logits_bias" not in state:
         state["final_logits_bias"] = torch.zeros(1, cfg.vocab_size)  # as transformers does
-    missing = sorted(k for k in mapped_names if k not in state)
-    if missing:
-        raise SourceError(f"{where}: missing tensor(s) {', '.join(missing[:5])}"
-                          f"{' ...' if len(missing) > 5 else ''} (config.json asks for "
-                          f"{cfg.encoder_layers} encoder / {cfg.decoder_layers} decoder layers)")
-    mapped = {}
-    for hf_name, our_name in mapped_names.items():
-        tensor = state[hf_name]
-        if hf_name == "final_logits_bias" and tensor.dim() == 2 and tensor.shape[0] == 1:
-            tensor = tensor[0]  # [1,V] -> [V]
-        if not tensor.is_floating_point():
-            raise SourceError(f"{where}: tensor {hf_name} has dtype {tensor.dtype}, not float")
-        mapped[our_name] = tensor.float()
-    return mapped
+    refuse_missing(state, list(mapped_names), where,
+                   f"{cfg.encoder_layers} encoder / {cfg.decoder_layers} decoder layers")
+    return {our_name: float_tensor(state, hf_name, where)
+            for hf_name, our_name in mapped_names.items()}
 
 
 # -- tokenizer helpers for the family modules ---------------------------------------------------

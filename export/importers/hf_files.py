@@ -111,3 +111,67 @@ def load_weights(model: Seq2SeqTransformer, mapped: dict[str, torch.Tensor], whe
     left = [k for k in result.missing_keys if k not in aliases and not k.endswith("tokens.weight")]
     if left or result.unexpected_keys:
         raise SourceError(f"{where}: weights left unset: {left[:5]}")
+
+
+# -- mapping a state dict: what every importer checks the same way ---------------------------
+
+# the stacks' copies of the token table, as transformers stores tied embeddings
+EMBEDDING_ALIASES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+
+
+def shared_table(state: dict[str, torch.Tensor], where: str, tied_head: bool = False,
+                 shown_name: str = "model.shared.weight") -> torch.Tensor:
+    """The one token table: `shared.weight`, or what the stacks hold (which must equal it);
+    with tied_head, a stored lm_head.weight must equal it too. shown_name: the table's name
+    in the checkpoint, for the error when there is none."""
+    tables = {name: state[name] for name in ("shared.weight", *EMBEDDING_ALIASES)
+              if name in state}
+    if not tables:
+        raise SourceError(f"{where}: no token embedding table ({shown_name})")
+    reference_name = "shared.weight" if "shared.weight" in tables else next(iter(tables))
+    reference = tables[reference_name]
+    for name, table in tables.items():
+        if name != reference_name and not same_tensor(table, reference):
+            raise SourceError(f"{where}: {name} differs from the shared embedding "
+                              f"{reference_name}; tfserve's model has one token table")
+    head = state.get("lm_head.weight")
+    if tied_head and head is not None and not same_tensor(head, reference):
+        raise SourceError(f"{where}: tie_word_embeddings is true but lm_head.weight differs "
+                          "from the shared embedding")
+    return reference
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def _listed(names: list[str]) -> str:
+    return f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+
+
+def refuse_unexpected(names: list[str], where: str) -> None:
+    """SourceError naming the checkpoint's tensors (sorted) that have no place in the model."""
+    if names:
+        raise SourceError(f"{where}: tensor(s) with no place in tfserve's model: "
+                          f"{_listed(sorted(names))}")
+
+
+def refuse_missing(state: dict[str, torch.Tensor], wanted: list[str], where: str,
+                   asks: str) -> None:
+    """SourceError naming the wanted tensors the checkpoint lacks; asks: what config.json
+    asks for (the layer counts), said with them."""
+    missing = sorted(k for k in wanted if k not in state)
+    if missing:
+        raise SourceError(f"{where}: missing tensor(s) {_listed(missing)} (config.json asks "
+                          f"for {asks})")
+
+
+def float_tensor(state: dict[str, torch.Tensor], name: str, where: str) -> torch.Tensor:
+    """state[name] as float32; SourceError when it is not a floating-point tensor. A stored
+    final_logits_bias [1,V] becomes [V]."""
+    tensor = state[name]
+    if name == "final_logits_bias" and tensor.dim() == 2 and tensor.shape[0] == 1:
+        tensor = tensor[0]  # [1,V] -> [V]
+    if not tensor.is_floating_point():
+        raise SourceError(f"{where}: tensor {name} has dtype {tensor.dtype}, not float")
+    return tensor.float()

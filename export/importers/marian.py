@@ -35,13 +35,19 @@ from typing import Any
 import torch
 
 from export.importers.hf_files import (  # noqa: F401  (the file helpers, importable here too)
+    EMBEDDING_ALIASES,
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX,
     TORCH_FILE,
     TORCH_INDEX,
+    float_tensor,
     load_weights,
     read_json,
     read_weights,
+    refuse_missing,
+    refuse_unexpected,
+    same_tensor,
+    shared_table,
     weight_files,
 )
 from export.sources import Source, SourceError
@@ -315,7 +321,6 @@ def marian_key_map(encoder_layers: int, decoder_layers: int, tied: bool = True) 
     return key_map
 
 
-EMBEDDING_ALIASES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 POSITION_KEYS = ("encoder.embed_positions.weight", "decoder.embed_positions.weight")
 
 
@@ -336,29 +341,15 @@ def map_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: dic
                                 MARIAN_DEFAULTS["share_encoder_decoder_embeddings"])
     # the one token table: HF's `shared`, or what the stacks hold when it is not stored
     tables = {name: state[name] for name in ("shared.weight", *EMBEDDING_ALIASES) if name in state}
-    if not tables:
-        raise SourceError(f"{where}: no token embedding table (model.shared.weight)")
     if not shared_flag and len(tables) > 1:
         first, *rest = tables.items()
         for name, table in rest:
-            if table.shape != first[1].shape or not torch.equal(table, first[1]):
+            if not same_tensor(table, first[1]):
                 raise SourceError(
                     f"{where}: share_encoder_decoder_embeddings is false and {name} differs from "
                     f"{first[0]}: tfserve's model has one embedding table shared by encoder, "
                     "decoder and output projection")
-    reference_name = "shared.weight" if "shared.weight" in tables else next(iter(tables))
-    reference = tables[reference_name]
-    for name, table in tables.items():
-        if name != reference_name and (table.shape != reference.shape
-                                       or not torch.equal(table, reference)):
-            raise SourceError(f"{where}: {name} differs from the shared embedding "
-                              f"{reference_name}; tfserve's model has one token table")
-    if cfg.tie_word_embeddings and "lm_head.weight" in state:
-        head = state["lm_head.weight"]
-        if head.shape != reference.shape or not torch.equal(head, reference):
-            raise SourceError(f"{where}: tie_word_embeddings is true but lm_head.weight differs "
-                              "from the shared embedding")
-    state["shared.weight"] = reference
+    state["shared.weight"] = shared_table(state, where, cfg.tie_word_embeddings)
 
     for key in POSITION_KEYS:
         if key in state:
@@ -375,26 +366,13 @@ def map_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: dic
     skipped = set(POSITION_KEYS) | set(EMBEDDING_ALIASES)
     if cfg.tie_word_embeddings:
         skipped.add("lm_head.weight")
-    unexpected = sorted(k for k in state if k not in key_map and k not in skipped)
-    if unexpected:
-        raise SourceError(f"{where}: tensor(s) with no place in tfserve's model: "
-                          f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+    refuse_unexpected([k for k in state if k not in key_map and k not in skipped], where)
     if "final_logits_bias" not in state:  # transformers loads it as zeros when absent
         state["final_logits_bias"] = torch.zeros(1, cfg.vocab_size)
-    missing = sorted(k for k in key_map if k not in state)
-    if missing:
-        raise SourceError(f"{where}: missing tensor(s) {', '.join(missing[:5])}"
-                          f"{' ...' if len(missing) > 5 else ''} (config.json asks for "
-                          f"{cfg.encoder_layers} encoder / {cfg.decoder_layers} decoder layers)")
-    mapped = {}
-    for hf_name, our_name in key_map.items():
-        tensor = state[hf_name]
-        if hf_name == "final_logits_bias" and tensor.dim() == 2 and tensor.shape[0] == 1:
-            tensor = tensor[0]  # [1,V] -> [V]
-        if not tensor.is_floating_point():
-            raise SourceError(f"{where}: tensor {hf_name} has dtype {tensor.dtype}, not float")
-        mapped[our_name] = tensor.float()
-    return mapped
+    refuse_missing(state, list(key_map), where,
+                   f"{cfg.encoder_layers} encoder / {cfg.decoder_layers} decoder layers")
+    return {our_name: float_tensor(state, hf_name, where)
+            for hf_name, our_name in key_map.items()}
 
 
 # -- the importer ---------------------------------------------------------------------------

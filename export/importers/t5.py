@@ -40,7 +40,18 @@ from typing import Any
 
 import torch
 
-from export.importers.hf_files import load_weights, read_json, read_weights, weight_files
+from export.importers.hf_files import (
+    EMBEDDING_ALIASES,
+    float_tensor,
+    load_weights,
+    read_json,
+    read_weights,
+    refuse_missing,
+    refuse_unexpected,
+    same_tensor,
+    shared_table,
+    weight_files,
+)
 from export.sources import Source, SourceError
 from tfserve.config import ConfigError, ModelConfig
 from tfserve.model import Seq2SeqTransformer
@@ -273,7 +284,6 @@ def language_tokens(tokenizer: Tokenizer) -> list[str]:
 # -- weights --------------------------------------------------------------------------------
 
 ATTENTION = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj"}
-EMBEDDING_ALIASES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 # transformers ignores it too (T5ForConditionalGeneration._keys_to_ignore_on_load_unexpected)
 IGNORED = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",)
 
@@ -322,22 +332,6 @@ def _strip(key: str) -> str:
     return key[len("transformer."):] if key.startswith("transformer.") else key
 
 
-def shared_table(state: dict[str, torch.Tensor], where: str) -> torch.Tensor:
-    """The one token table: `shared`, or what the stacks hold (which must equal it)."""
-    tables = {name: state[name] for name in ("shared.weight", *EMBEDDING_ALIASES)
-              if name in state}
-    if not tables:
-        raise SourceError(f"{where}: no token embedding table (shared.weight)")
-    reference_name = "shared.weight" if "shared.weight" in tables else next(iter(tables))
-    reference = tables[reference_name]
-    for name, table in tables.items():
-        if name != reference_name and (table.shape != reference.shape
-                                       or not torch.equal(table, reference)):
-            raise SourceError(f"{where}: {name} differs from the shared embedding "
-                              f"{reference_name}; tfserve's model has one token table")
-    return reference
-
-
 def lm_head_tied(state: dict[str, torch.Tensor]) -> bool:
     """The output projection is the shared table unless the weights hold another one."""
     state = {_strip(k): v for k, v in state.items()}
@@ -345,39 +339,31 @@ def lm_head_tied(state: dict[str, torch.Tensor]) -> bool:
     if head is None:
         return True
     table = state.get("shared.weight", state.get(EMBEDDING_ALIASES[0]))
-    return table is not None and head.shape == table.shape and torch.equal(head, table)
+    return table is not None and same_tensor(head, table)
 
 
 def map_weights(state: dict[str, torch.Tensor], cfg: ModelConfig,
                 where: str) -> dict[str, torch.Tensor]:
     """HF state dict -> our parameter names, float32, every name and shape checked."""
     state = {_strip(k): v for k, v in state.items()}
-    state["shared.weight"] = shared_table(state, where)
+    state["shared.weight"] = shared_table(state, where, shown_name="shared.weight")
     key_map = t5_key_map(cfg.encoder_layers, cfg.decoder_layers, cfg.ffn_gated,
                          cfg.tie_word_embeddings)
     skipped = set(EMBEDDING_ALIASES) | set(IGNORED)
     if cfg.tie_word_embeddings:
         skipped.add("lm_head.weight")
-    unexpected = sorted(k for k in state if k not in key_map and k not in skipped)
-    if unexpected:
-        raise SourceError(f"{where}: tensor(s) with no place in tfserve's model: "
-                          f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
-    missing = sorted(k for k in key_map if k not in state)
-    if missing:
-        raise SourceError(f"{where}: missing tensor(s) {', '.join(missing[:5])}"
-                          f"{' ...' if len(missing) > 5 else ''} (config.json asks for "
-                          f"{cfg.encoder_layers} encoder / {cfg.decoder_layers} decoder layers, "
-                          f"feed_forward_proj {'gated' if cfg.ffn_gated else 'not gated'})")
+    refuse_unexpected([k for k in state if k not in key_map and k not in skipped], where)
+    refuse_missing(state, list(key_map), where,
+                   f"{cfg.encoder_layers} encoder / {cfg.decoder_layers} decoder layers, "
+                   f"feed_forward_proj {'gated' if cfg.ffn_gated else 'not gated'}")
     mapped: dict[str, torch.Tensor] = {}
     halves: dict[str, list[torch.Tensor]] = {}
     for hf_name, ours in key_map.items():
-        tensor = state[hf_name]
-        if not tensor.is_floating_point():
-            raise SourceError(f"{where}: tensor {hf_name} has dtype {tensor.dtype}, not float")
+        tensor = float_tensor(state, hf_name, where)
         if isinstance(ours, tuple):
-            halves.setdefault(ours[0], [torch.empty(0), torch.empty(0)])[ours[1]] = tensor.float()
+            halves.setdefault(ours[0], [torch.empty(0), torch.empty(0)])[ours[1]] = tensor
         else:
-            mapped[ours] = tensor.float()
+            mapped[ours] = tensor
     for name, (gate, up) in halves.items():
         if gate.shape != up.shape:
             raise SourceError(f"{where}: {name}: wi_0 {tuple(gate.shape)} and wi_1 "
