@@ -173,6 +173,21 @@ class Container:
             time.sleep(0.5)
         raise AssertionError(f"not SERVING after {timeout} s ({last}):\n{self.logs()[-4000:]}")
 
+    def records(self) -> list[dict]:
+        """The JSON log records the server printed so far."""
+        return [json.loads(line) for line in self.logs().splitlines() if line.startswith("{")]
+
+    def wait_logged(self, event: str, count: int = 1, timeout: float = START_TIMEOUT_S) -> None:
+        """Poll the container's log until `count` records of `event` are there."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if sum(r.get("event") == event for r in self.records()) >= count:
+                return
+            if not self.state().get("Running", False):
+                break
+            time.sleep(0.5)
+        raise AssertionError(f"fewer than {count} {event!r} records:\n{self.logs()[-4000:]}")
+
     def remove(self) -> None:
         stop_now = ["-t", "0"] if self.engine == "podman" else []
         run(self.engine, "rm", "-f", *stop_now, self.name, timeout=60)
@@ -342,7 +357,7 @@ def test_mounted_model_and_sigterm_drain(engine: str, image: str, random_model: 
         state = box.state()
         assert not state.get("Running"), "still running 60 s after SIGTERM"
         assert state.get("ExitCode") == 0, (state, box.logs()[-4000:])
-        records = [json.loads(line) for line in box.logs().splitlines() if line.startswith("{")]
+        records = box.records()
         events = {record.get("event"): record for record in records}
         assert "draining" in events and "stopped" in events
         if in_flight:  # seen in flight before SIGTERM: the drain waited for it
@@ -393,6 +408,9 @@ def test_workers_in_a_container_drain_on_sigterm(engine: str, image: str) -> Non
     box = Container(engine, _name("workers"), env={"TFSERVE_WORKERS": "2"}, extra=["--read-only"])
     try:
         box.wait_serving()
+        # SO_REUSEPORT: the first worker up answers health; wait on both workers' `serving`
+        # records before asking the parent's scrape to reach both
+        box.wait_logged("serving", count=2)
         with Client(box.target, timeout=60) as client:
             assert client.translate(["seven", "twenty-one"]) == ["sept", "vingt et un"]
         url = f"http://127.0.0.1:{box.metrics_port}/metrics"  # the parent's: every worker
@@ -407,7 +425,7 @@ def test_workers_in_a_container_drain_on_sigterm(engine: str, image: str) -> Non
         state = box.state()
         assert not state.get("Running") and state.get("ExitCode") == 0, (state,
                                                                          box.logs()[-4000:])
-        records = [json.loads(line) for line in box.logs().splitlines() if line.startswith("{")]
+        records = box.records()
         serving = [r for r in records if r.get("event") == "serving"]
         assert sorted(r["worker"] for r in serving) == [0, 1]
         assert sum(r.get("event") == "stopped" for r in records) == 2
