@@ -173,7 +173,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with progress.step("weights into encoder.onnx.data / decoder.onnx.data"):
             store_weights_externally(staging, ["encoder.onnx", "decoder.onnx"])
         for name in source.tokenizer_files:
-            shutil.copy2(source.directory / name, staging / name)
+            if name in source.built_files:
+                (staging / name).write_text(source.built_files[name], encoding="utf-8")
+            else:
+                shutil.copy2(source.directory / name, staging / name)
         manifest = Manifest(
             config=model.config,
             generation=source.generation or recorded_generation(model.config.extra),
@@ -188,6 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "tfserve": __version__,
                 "graph_revision": GRAPH_REVISION,
                 "attention": "fused" if fused else "standard ops",
+                **({"tokenizer": source.built_note} if source.built_note else {}),
                 "torch": torch.__version__,
                 "onnx": onnx.__version__,
                 "onnxruntime": __import__("onnxruntime").__version__,

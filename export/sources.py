@@ -32,6 +32,10 @@ class Source:
     sample_texts: list[str] = field(default_factory=list)
     # the checkpoint's generation settings (tfserve.generation_defaults), HF field names
     generation: dict[str, Any] = field(default_factory=dict)
+    # tokenizer files the importer built (name -> text) for a checkpoint that ships them in
+    # another form, written into the artifacts in place of copies; how they were built
+    built_files: dict[str, str] = field(default_factory=dict)
+    built_note: str = ""
 
     @property
     def tokenizer_files(self) -> list[str]:

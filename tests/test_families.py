@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -972,13 +973,58 @@ def test_unsupported_checkpoints_are_refused_naming_the_field(name, file, change
     assert message in str(info.value)
 
 
-def test_missing_tokenizer_json_and_stray_tensors_are_refused(checkpoints, tmp_path, capsys):
+@pytest.mark.parametrize("name", ["nllb", "mbart50", "cc25", "bart"])
+def test_tokenizer_json_is_built_from_the_slow_files(name, checkpoints, exported, tmp_path):
+    """A checkpoint with only its SentencePiece model (NLLB, mBART) or BPE vocab.json +
+    merges.txt (BART): export builds tokenizer.json as AutoTokenizer builds it; the ids equal
+    AutoTokenizer's on the directory as it is, and the model translates as the export of the
+    checkpoint with its tokenizer.json."""
+    directory = copy_checkpoint(checkpoints, tmp_path, name)
+    (directory / "tokenizer.json").unlink()
+    out = tmp_path / "out"
+    assert export_main(["--from-hf", str(directory), "--out", str(out), "--quiet"]) == 0
+    manifest = Manifest.load(out)
+    assert manifest.tokenizer.kind == "hf-json" and (out / "tokenizer.json").is_file()
+    assert manifest.provenance["tokenizer"].startswith(
+        f"built by transformers {transformers.__version__}")
+    assert not (directory / "tokenizer.json").exists()  # the checkpoint is left as it was
+    ours = Tokenizer(out, manifest.tokenizer)
+    strings = family_strings(name)
+    source, targets = fh.LANGUAGES[name]
+    for language in [source, *targets][:2] if source else [""]:
+        theirs = auto_tokenizer(directory, language)
+        assert [ours.encode(s, language or None) for s in strings] == [
+            theirs(s).input_ids for s in strings], (name, language)
+    shipped = Manifest.load(exported[name])
+    assert manifest.tokenizer.languages == shipped.tokenizer.languages
+    texts = fh.sentences(8, seed=11)
+    languages = dict(source_language=source or None, target_language=targets[0] or None,
+                     max_new_tokens=12)
+    assert Translator(out, intra_op_threads=1).translate(texts, **languages) == Translator(
+        exported[name], intra_op_threads=1).translate(texts, **languages)
+
+
+def test_a_checkpoint_without_tokenizer_files_is_refused(checkpoints, tmp_path, capsys,
+                                                         monkeypatch):
     directory = copy_checkpoint(checkpoints, tmp_path, "nllb")
     (directory / "tokenizer.json").unlink()
+    # without transformers, the message says what builds tokenizer.json
+    monkeypatch.setitem(sys.modules, "transformers", None)
     code = export_main(["--from-hf", str(directory), "--out", str(tmp_path / "out"), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
-    assert "NLLB tokenizer not found" in err and "tokenizer.json" in err
+    assert "has no tokenizer.json: building it from sentencepiece.bpe.model needs " \
+           "transformers" in err
+    monkeypatch.undo()
+    (directory / "sentencepiece.bpe.model").unlink()
+    code = export_main(["--from-hf", str(directory), "--out", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "NLLB tokenizer not found" in err and "expected tokenizer.json, or " \
+           "sentencepiece.bpe.model" in err
+
+
+def test_stray_tensors_are_refused(checkpoints, tmp_path):
     directory = copy_checkpoint(checkpoints, tmp_path, "bart")
     from safetensors.torch import load_file, save_file
 

@@ -25,8 +25,8 @@ REFUSED = (("normalize_before", True, "pre-norm layers"),
 
 def tokenizer(directory: Path, config: dict[str, Any],
               tokenizer_config: dict[str, Any]) -> TokenizerInfo:
-    spec, _ = hf_json_spec(directory, config, FAMILY, tokenizer_config, "BART")
-    return TokenizerInfo(spec)
+    read = hf_json_spec(directory, config, FAMILY, tokenizer_config, "BART")
+    return TokenizerInfo(read.spec, built=read.built)
 
 
 FAMILY = Family(

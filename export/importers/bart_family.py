@@ -20,14 +20,19 @@ family, as transformers ignores them); `key_map` is the explicit tensor-name map
 tensor is shape-checked before it is loaded.
 
 Tokenizer and languages come from the family module (`Family.tokenizer`); the generation
-settings from config.json and generation_config.json (tfserve.generation_defaults).
+settings from config.json and generation_config.json (tfserve.generation_defaults). A
+checkpoint that ships only its tokenizer's SentencePiece or BPE files (no tokenizer.json) has
+its tokenizer.json built by transformers' AutoTokenizer from them, the conversion
+`AutoTokenizer.from_pretrained(DIR)` itself runs, and that file goes into the artifacts.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +61,10 @@ CONFIG_FILE = "config.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 TOKENIZER_JSON = "tokenizer.json"
+# the files the families' tokenizers are built from when no tokenizer.json is there:
+# NLLB's and mBART-50's SentencePiece BPE model, mBART-cc25's older name for it, BART's BPE
+SLOW_TOKENIZER_FILES = ("sentencepiece.bpe.model", "sentence.bpe.model", "vocab.json",
+                        "merges.txt")
 
 # transformers' BartConfig / MBartConfig / M2M100Config defaults shared by all three; each
 # family overrides what differs (Family.defaults)
@@ -91,6 +100,25 @@ class TokenizerInfo:
     spec: TokenizerSpec
     source_language: str = ""  # the checkpoint tokenizer's src_lang / tgt_lang, if any
     target_language: str = ""
+    built: BuiltTokenizer | None = None  # tokenizer.json built from the slow files
+
+
+@dataclass(frozen=True)
+class BuiltTokenizer:
+    """A tokenizer.json transformers built for a checkpoint that ships none."""
+
+    text: str  # the tokenizer.json
+    note: str  # how it was built, for the manifest's provenance
+
+
+@dataclass(frozen=True)
+class HfJson:
+    """What hf_json_spec reads: the spec (special ids checked), the loaded
+    `tokenizers.Tokenizer` and, when the checkpoint has no tokenizer.json, the built one."""
+
+    spec: TokenizerSpec
+    loaded: Any
+    built: BuiltTokenizer | None
 
 
 @dataclass(frozen=True)
@@ -343,23 +371,70 @@ def check_special_ids(directory: Path, config: dict[str, Any], family: Family,
 
 
 def hf_json_spec(directory: Path, config: dict[str, Any], family: Family,
-                 tokenizer_config: dict[str, Any], what: str) -> tuple[TokenizerSpec, Any]:
-    """A tokenizer.json spec (special ids checked) and the loaded `tokenizers.Tokenizer`."""
-    if not (directory / TOKENIZER_JSON).is_file():
-        raise SourceError(f"{what} tokenizer not found in {directory}: expected "
-                          f"{TOKENIZER_JSON} (transformers writes it with the tokenizer's "
-                          "save_pretrained)")
+                 tokenizer_config: dict[str, Any], what: str) -> HfJson:
+    """The checkpoint's tokenizer.json (or one built from its slow files) as a spec with
+    the special ids checked, and the loaded `tokenizers.Tokenizer`."""
+    from tokenizers import Tokenizer as HFTokenizer
+
     from tfserve.tokenizer import load_hf_json
 
+    built = None
     try:
-        loaded = load_hf_json(directory / TOKENIZER_JSON)
+        if (directory / TOKENIZER_JSON).is_file():
+            loaded = load_hf_json(directory / TOKENIZER_JSON)
+        else:
+            built = build_tokenizer_json(directory, what)
+            loaded = HFTokenizer.from_str(built.text)
     except TokenizerError as exc:
         raise SourceError(str(exc)) from exc
     ids = check_special_ids(directory, config, family, TOKENIZER_JSON, loaded.token_to_id,
                             tokenizer_config)
     spec = TokenizerSpec(kind="hf-json", source=TOKENIZER_JSON, pad_token_id=ids["pad"],
                          eos_token_id=ids["eos"], unk_token_id=ids["unk"])
-    return spec, loaded
+    return HfJson(spec, loaded, built)
+
+
+def build_tokenizer_json(directory: Path, what: str) -> BuiltTokenizer:
+    """tokenizer.json for a checkpoint that ships only its slow tokenizer's files, built as
+    `transformers.AutoTokenizer.from_pretrained(directory)` builds it (the reference the
+    ids are checked against), offline."""
+    present = [name for name in SLOW_TOKENIZER_FILES if (directory / name).is_file()]
+    if not present:
+        raise SourceError(f"{what} tokenizer not found in {directory}: expected "
+                          f"{TOKENIZER_JSON}, or {' / '.join(SLOW_TOKENIZER_FILES[:2])} "
+                          "(or vocab.json + merges.txt) to build it from")
+    try:
+        import transformers
+    except ImportError as exc:
+        raise SourceError(f"{directory} has no {TOKENIZER_JSON}: building it from "
+                          f"{', '.join(present)} needs transformers (pip install "
+                          "transformers), or save the tokenizer with transformers' "
+                          "save_pretrained, which writes tokenizer.json") from exc
+    try:
+        loaded = transformers.AutoTokenizer.from_pretrained(str(directory),
+                                                            local_files_only=True)
+    except Exception as exc:  # transformers raises what its converters raise
+        first = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        raise SourceError(f"{directory} has no {TOKENIZER_JSON} and transformers could not "
+                          f"build one from {', '.join(present)}: {first}") from exc
+    backend = getattr(loaded, "backend_tokenizer", None)
+    if backend is None:
+        raise SourceError(f"{directory} has no {TOKENIZER_JSON} and transformers' "
+                          f"{type(loaded).__name__} has no tokenizers backend to write one")
+    return BuiltTokenizer(backend.to_str(), f"built by transformers {transformers.__version__}"
+                          f" ({type(loaded).__name__}) from {', '.join(present)}")
+
+
+@contextmanager
+def tokenizer_directory(directory: Path, built: BuiltTokenizer | None) -> Iterator[Path]:
+    """Where the tokenizer's files are: the checkpoint's directory, or a temporary one
+    holding the built tokenizer.json while the block runs."""
+    if built is None:
+        yield directory
+        return
+    with tempfile.TemporaryDirectory(prefix="tfserve-tokenizer-") as temporary:
+        (Path(temporary) / TOKENIZER_JSON).write_text(built.text, encoding="utf-8")
+        yield Path(temporary)
 
 
 def special_added_tokens(loaded: Any) -> dict[str, int]:
@@ -387,7 +462,8 @@ def load(family: Family, directory: Path, config: dict[str, Any]) -> Source:
     spec = info.spec
     spec.decoder_start_token_id = cfg.decoder_start_token_id
     try:
-        tokenizer = Tokenizer(directory, spec)
+        with tokenizer_directory(directory, info.built) as where:
+            tokenizer = Tokenizer(where, spec)
     except TokenizerError as exc:
         raise SourceError(str(exc)) from exc
     if tokenizer.vocab_size > cfg.vocab_size:
@@ -404,5 +480,8 @@ def load(family: Family, directory: Path, config: dict[str, Any]) -> Source:
     model = Seq2SeqTransformer(cfg)
     load_weights(model, map_weights(family, read_weights(files), cfg, weights_where),
                  weights_where)
+    built = info.built
     return Source(model.eval(), directory, spec, [directory / CONFIG_FILE, *files], family.kind,
-                  [], generation)
+                  [], generation,
+                  built_files={TOKENIZER_JSON: built.text} if built is not None else {},
+                  built_note=built.note if built is not None else "")

@@ -54,8 +54,9 @@ M2M100_CODES = {
 
 def nllb_tokenizer(directory: Path, config: dict[str, Any],
                    tokenizer_config: dict[str, Any]) -> TokenizerInfo:
-    spec, loaded = hf_json_spec(directory, config, FAMILY, tokenizer_config, "NLLB")
-    codes = {token: token_id for token, token_id in special_added_tokens(loaded).items()
+    read = hf_json_spec(directory, config, FAMILY, tokenizer_config, "NLLB")
+    spec = read.spec
+    codes = {token: token_id for token, token_id in special_added_tokens(read.loaded).items()
              if NLLB_CODE.match(token)}
     if not codes:
         raise SourceError(f"{directory / spec.source} has no NLLB language codes (special "
@@ -67,7 +68,8 @@ def nllb_tokenizer(directory: Path, config: dict[str, Any],
         codes=codes, source_layout="suffix" if legacy else "prefix", target_mode="forced",
         default_source=default_source).to_dict()
     return TokenizerInfo(spec, source,
-                         checkpoint_language(tokenizer_config.get("tgt_lang"), codes))
+                         checkpoint_language(tokenizer_config.get("tgt_lang"), codes),
+                         read.built)
 
 
 def m2m100_tokenizer(directory: Path, config: dict[str, Any],

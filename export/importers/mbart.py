@@ -54,8 +54,9 @@ def variant(tokenizer_config: dict[str, Any], codes: dict[str, int]) -> str:
 
 def tokenizer(directory: Path, config: dict[str, Any],
               tokenizer_config: dict[str, Any]) -> TokenizerInfo:
-    spec, loaded = hf_json_spec(directory, config, FAMILY, tokenizer_config, "mBART")
-    codes = {token: token_id for token, token_id in special_added_tokens(loaded).items()
+    read = hf_json_spec(directory, config, FAMILY, tokenizer_config, "mBART")
+    spec = read.spec
+    codes = {token: token_id for token, token_id in special_added_tokens(read.loaded).items()
              if CODE.match(token)}
     if not codes:
         raise SourceError(f"{directory / spec.source} has no mBART language codes (special "
@@ -68,7 +69,8 @@ def tokenizer(directory: Path, config: dict[str, Any],
         target_mode="forced" if kind == "mbart-50" else "start",
         default_source=default_source).to_dict()
     return TokenizerInfo(spec, source,
-                         checkpoint_language(tokenizer_config.get("tgt_lang"), codes))
+                         checkpoint_language(tokenizer_config.get("tgt_lang"), codes),
+                         read.built)
 
 
 FAMILY = Family(
