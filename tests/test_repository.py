@@ -599,6 +599,41 @@ def test_list_models_shows_states_and_health_follows_them(tmp_path: Path,
         assert "alpha" in body["error"]["message"]
 
 
+def test_model_info_of_a_model_not_loaded_loads_nothing(tmp_path: Path,
+                                                          random_model: Path) -> None:
+    """GetModelInfo (gRPC, and HTTP's GET /v1/models/{name}) of a model that is not loaded is
+    read from its files: it loads nothing and so unloads nothing under --max-loaded-models;
+    once loaded, the same fields plus its providers. A model whose files cannot be read is
+    loaded instead, failing as a request to it fails."""
+    from google.protobuf import json_format
+
+    repository = make_repository(tmp_path / "repo", alpha=random_model, beta=random_model,
+                                 broken=random_model)
+    (repository / "broken" / "model.json").write_text("{not json")
+    args = repository_args(repository, "--load", "lazy", "--max-loaded-models", "1")
+    with ServerThread(args) as server, Client(server.target, timeout=60) as client:
+        client.translate(["seven"], model="alpha", max_new_tokens=2)
+        described = client.model_info(model="beta")
+        status, body = http(server, "GET", "/v1/models/beta")
+        assert status == 200 and body == json_format.MessageToDict(described)
+        assert [(e.name, e.state) for e in client.list_models()] == [
+            ("alpha", "loaded"), ("beta", "unloaded"), ("broken", "unloaded")]
+        assert server.metrics.value("tfserve_model_loads_total",
+                                    {"model": "beta", "outcome": "ok"}) == 0
+        assert requests_total(server, "beta", rpc="GetModelInfo") == 2  # under its name
+        assert (described.model, described.model_name) == ("beta", "random-test-model")
+        assert described.vocab_size > 0 and not described.providers
+        client.translate(["seven"], model="beta", max_new_tokens=2)  # alpha makes room
+        loaded = client.model_info(model="beta")
+        assert list(loaded.providers) == ["CPUExecutionProvider"]
+        del loaded.providers[:]
+        assert loaded == described
+        with pytest.raises(ServerError) as raised:
+            client.model_info(model="broken")
+        assert raised.value.code() == grpc.StatusCode.INTERNAL
+        assert raised.value.details().startswith("model 'broken' cannot be loaded: ")
+
+
 def test_concurrent_first_requests_load_the_model_once(tmp_path: Path,
                                                        random_model: Path) -> None:
     repository = make_repository(tmp_path / "repo", alpha=random_model, beta=random_model)

@@ -173,6 +173,11 @@ class Call:
         released when the call ends."""
         self.model = model
 
+    def concerns(self, name: str) -> None:
+        """The call is about the model `name` without running on it (ModelInfo of a model
+        not loaded): counted and logged under that name."""
+        self._model_name = name
+
     def span_error(self, status: Status) -> bool:
         """Whether a call that ends with `status` marks its span ERROR: OpenTelemetry's
         rule for gRPC server spans (an HTTP call overrides it with the rule for HTTP)."""
@@ -239,7 +244,7 @@ class Call:
         """Count the call as ended with `status`, write its access-log record, end its span."""
         elapsed = time.perf_counter() - self.started
         model = self.model
-        name = self._model_name = model.name if model is not None else ""
+        name = self._model_name = model.name if model is not None else self._model_name
         self.calls.finished(self.rpc, status, elapsed, name)
         if self.job is not None:
             self.calls.job_finished(self.rpc, self.job, self.started, name)

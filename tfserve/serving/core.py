@@ -24,7 +24,7 @@ from tfserve.metrics import Metrics
 from tfserve.scheduler import Scheduler
 from tfserve.serving.calls import Call, Calls
 from tfserve.serving.loaded import LoadedModel
-from tfserve.serving.model_info import ModelInfo, model_info
+from tfserve.serving.model_info import ModelInfo, model_info, unloaded_model_info
 from tfserve.serving.repository import ModelRepository, ModelStatus
 from tfserve.serving.requests import Submitter
 from tfserve.serving.tracing import start_tracing
@@ -64,6 +64,8 @@ class ServingCore:
         self.calls = Calls(self.metrics, config.max_message_bytes, tracing,
                            self.repository.release)
         self.metrics_port = 0
+        # ModelInfo of models not loaded, by (name, version): read once from their files
+        self._described: dict[tuple[str, str], ModelInfo] = {}
 
     # the default model's parts, while it is loaded (a one-model server's, for tests and
     # tools); None otherwise
@@ -101,6 +103,32 @@ class ServingCore:
             raise LookupError("the default model is not loaded")
         return model_info(model.runtime, self.config, model.scheduler.max_new_tokens_limit,
                           model.name, model.version)
+
+    async def describe(self, name: str, call: Call) -> ModelInfo:
+        """The ModelInfo of the model `name` names (empty: the default). A model that is not
+        loaded is described from its files without loading it (no sessions, so nothing
+        else is unloaded under --max-loaded-models); one whose files cannot be read is
+        loaded, which fails with the reason, as a request to it would."""
+        slot = self.repository.slot(name)
+        call.concerns(slot.name)
+        entry = slot.entry
+        if slot.model is None and not entry.manifest_error and not slot.error:
+            key = (entry.name, entry.version)
+            described = self._described.get(key)
+            if described is None:
+                try:
+                    described = await asyncio.to_thread(
+                        unloaded_model_info, entry.path, self.config, entry.name, entry.version)
+                except (OSError, ValueError) as exc:  # ManifestError, TokenizerError
+                    log.warning("model %s: describing it from its files failed (%s); loading "
+                                "it instead", entry.name, exc)
+                else:
+                    self._described = {k: v for k, v in self._described.items()
+                                       if k[0] != entry.name}
+                    self._described[key] = described
+            if described is not None:
+                return described
+        return self.model_info(await self.model(name, call))
 
     def list_models(self) -> tuple[list[ModelStatus], str]:
         """Every model's status, and the default model's name ("" when there is none)."""

@@ -216,7 +216,7 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
 
     @unary("GetModelInfo")
     async def GetModelInfo(self, request: Any, call: GrpcCall) -> Any:
-        return self.core.model_info(await self.core.model(request.model, call))
+        return await self.core.describe(request.model, call)
 
     @unary("ListModels")
     async def ListModels(self, request: Any, call: GrpcCall) -> Any:

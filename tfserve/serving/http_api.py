@@ -13,7 +13,7 @@ document (tfserve.serving.openapi).
     POST /v1/encode             EncodeRequest -> EncodeResponse              (Encode)
     GET  /v1/model              ModelInfo of the default model               (GetModelInfo)
     GET  /v1/models             ListModelsResponse: every model, its state   (ListModels)
-    GET  /v1/models/{name}      ModelInfo of that model (loaded if need be)  (GetModelInfo)
+    GET  /v1/models/{name}      ModelInfo of that model (not loaded by it)   (GetModelInfo)
     GET  /metrics               the Prometheus exposition of the server's registry
     GET  /healthz, /v2/health/live      200 while the process serves
     GET  /readyz,  /v2/health/ready     200 when ready; 503 while starting or draining
@@ -292,7 +292,7 @@ class HttpApi:
 
     async def model(self, request: web.Request) -> web.Response:
         async def answer(message: Any, call: HttpCall) -> bytes:
-            return call.sized(self.core.model_info(await self.core.model("", call)))
+            return call.sized(await self.core.describe("", call))
 
         return await self._unary(request, "GetModelInfo", None, answer)
 
@@ -300,7 +300,7 @@ class HttpApi:
         name = request.match_info["name"]
 
         async def answer(message: Any, call: HttpCall) -> bytes:
-            return call.sized(self.core.model_info(await self.core.model(name, call)))
+            return call.sized(await self.core.describe(name, call))
 
         return await self._unary(request, "GetModelInfo", None, answer)
 

@@ -7,13 +7,16 @@ mapping.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from tfserve.generation import DecodingOptions
 from tfserve.generation_defaults import GenerationDefaults
+from tfserve.manifest import Manifest
 from tfserve.proto import load as load_stubs
 from tfserve.serving.requests import server_defaults
 from tfserve.settings import ServerConfig
+from tfserve.tokenizer import Tokenizer
 from tfserve.translation_inputs import model_languages
 from tfserve.version import __version__
 
@@ -26,16 +29,36 @@ def model_info(runtime: Any, config: ServerConfig, max_new_tokens_limit: int,
                name: str = "", version: str = "") -> Any:
     """The ModelInfo message of `runtime` served with `config` (max_new_tokens_limit: the
     scheduler's) as the model `name` of the repository, at `version`."""
-    model = runtime.config
-    manifest = runtime.manifest
+    return describe_model(runtime.manifest, runtime.tokenizer, runtime.describe(), config,
+                          max_new_tokens_limit, name, version)
+
+
+def unloaded_model_info(directory: Path, config: ServerConfig, name: str,
+                        version: str) -> Any:
+    """The ModelInfo of the artifacts in `directory`, read from model.json and the tokenizer
+    without loading the graphs: `device` is the one it would load on, `providers` empty (it
+    has no session). ManifestError or TokenizerError when the files are bad."""
+    manifest = Manifest.load(directory)
+    tokenizer = Tokenizer(directory, manifest.tokenizer)
+    # the scheduler's limit once loaded: the start token takes one target position
+    limit = manifest.config.max_target_positions - 1
+    return describe_model(manifest, tokenizer, {"device": config.device, "providers": []},
+                          config, limit, name, version)
+
+
+def describe_model(manifest: Manifest, tokenizer: Tokenizer, describe: dict[str, Any],
+                   config: ServerConfig, max_new_tokens_limit: int, name: str,
+                   version: str) -> Any:
+    """ModelInfo from a model's manifest, tokenizer and runtime description (device,
+    providers)."""
+    model = manifest.config
     parity = dict(manifest.parity or {})
-    describe = runtime.describe()
     recorded = manifest.generation_defaults
     applied = server_defaults(recorded, config.default_max_new_tokens)
-    defaults = applied.decoding_fields(0, max_new_tokens_limit, runtime.tokenizer.eos_id)
+    defaults = applied.decoding_fields(0, max_new_tokens_limit, tokenizer.eos_id)
     return ModelInfo(
         model_name=model.name,
-        source_language=default_source_language(runtime.tokenizer, model.source_language),
+        source_language=default_source_language(tokenizer, model.source_language),
         target_language=model.target_language,
         max_source_tokens=model.max_source_positions,
         max_target_tokens=model.max_target_positions,
@@ -71,8 +94,8 @@ def model_info(runtime: Any, config: ServerConfig, max_new_tokens_limit: int,
         ),
         model=name,
         version=version,
-        languages=model_languages(runtime.tokenizer),
-        generation_defaults=generation_defaults(recorded, defaults, runtime.tokenizer),
+        languages=model_languages(tokenizer),
+        generation_defaults=generation_defaults(recorded, defaults, tokenizer),
     )
 
 
