@@ -85,9 +85,13 @@ def translator(repository: Path) -> Translator:
 
 @pytest.fixture(scope="module")
 def server(repository: Path) -> Any:
+    # --max-wait-ms 0 --wave-wait-steps 0: queued requests join a running batch at the
+    # worker's next pass, not after a wait in real time (the shared-batch test steps the
+    # decoder by hand and counts the rows that joined)
     args = ["--model-repository", str(repository), "--default-model", "nllb",
             "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-            "--http-port", str(free_port()), "--threads", "1", "--log-level", "warning"]
+            "--http-port", str(free_port()), "--threads", "1", "--log-level", "warning",
+            "--max-wait-ms", "0", "--wave-wait-steps", "0"]
     with ServerThread(args) as running:
         yield running
 
