@@ -162,16 +162,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         float_dtype = torch.float16 if args.dtype == "fp16" else torch.float32
         fused = fused_attention_for(float_dtype)
         with progress.step(f"tracing encoder and decoder (opset {args.opset}, {args.dtype})"):
-            export_graphs(model.to(float_dtype), staging, args.opset, float_dtype, fused)
+            # an encoder-only model (T5EncoderModel) has the encoder graph alone
+            graphs = [path.name for path in export_graphs(model.to(float_dtype), staging,
+                                                          args.opset, float_dtype, fused)]
             model = model.float()
         with progress.step("onnx.checker"):
-            for name in ("encoder.onnx", "decoder.onnx"):
+            for name in graphs:
                 onnx.checker.check_model(str(staging / name), full_check=True)
         if args.quantize:
             with progress.step("int8 dynamic quantization"):
-                quantize_int8(staging, ["encoder.onnx", "decoder.onnx"])
-        with progress.step("weights into encoder.onnx.data / decoder.onnx.data"):
-            store_weights_externally(staging, ["encoder.onnx", "decoder.onnx"])
+                quantize_int8(staging, graphs)
+        with progress.step("weights into " + " / ".join(f"{name}.data" for name in graphs)):
+            store_weights_externally(staging, graphs)
         for name in source.tokenizer_files:
             if name in source.built_files:
                 (staging / name).write_text(source.built_files[name], encoding="utf-8")

@@ -84,7 +84,7 @@ def zero_logits_bias_dropped(model: Seq2SeqTransformer) -> Iterator[None]:
     elementwise pass over the [B,T,V] logits per step (~3% of a beam step at 128 rows).
     """
     bias = model.final_logits_bias
-    if bias is None or bool(bias.detach().any()):
+    if bias is None or bool(bias.detach().any()):  # None too for an encoder-only model
         yield
         return
     model.final_logits_bias = None
@@ -114,8 +114,9 @@ def fused_attention_for(float_dtype: torch.dtype) -> bool:
 
 def export_graphs(model: Seq2SeqTransformer, directory: Path, opset: int,
                   float_dtype: torch.dtype = torch.float32,
-                  fused: bool | None = None) -> tuple[Path, Path]:
-    """Write encoder.onnx and decoder.onnx into directory; returns their paths.
+                  fused: bool | None = None) -> list[Path]:
+    """Write encoder.onnx and decoder.onnx into directory (an encoder-only model: encoder.onnx
+    alone); returns their paths.
 
     fused: trace attention as ONNX Runtime's fused op (default: fused_attention_for).
     """
@@ -153,13 +154,14 @@ def export_graphs(model: Seq2SeqTransformer, directory: Path, opset: int,
         dec_axes[name] = {0: "batch", 2: "total_len"}
 
     encoder_path, decoder_path = directory / "encoder.onnx", directory / "decoder.onnx"
+    graphs = [(EncoderGraph(model), enc_example, encoder_path, enc_in, enc_out, enc_axes)]
+    if not model.config.encoder_only:
+        graphs.append((DecoderGraph(model), dec_example, decoder_path, dec_in, dec_out,
+                       dec_axes))
     with (warnings.catch_warnings(), torch.no_grad(), zero_logits_bias_dropped(model),
           fused_attention(model, fused)):
         warnings.simplefilter("ignore")  # tracer warnings about python ints from shapes
-        for module, args, path, names_in, names_out, axes in (
-            (EncoderGraph(model), enc_example, encoder_path, enc_in, enc_out, enc_axes),
-            (DecoderGraph(model), dec_example, decoder_path, dec_in, dec_out, dec_axes),
-        ):
+        for module, args, path, names_in, names_out, axes in graphs:
             # a graph over 2 GB (NLLB-600M's decoder: two 256k x 1024 tables) is written
             # by torch with one external file per tensor beside it: trace into a scratch
             # directory and keep one graph file (+ one data file when it needs one)
@@ -175,7 +177,7 @@ def export_graphs(model: Seq2SeqTransformer, directory: Path, opset: int,
                 gather_graph(scratch / path.name, path)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-    return encoder_path, decoder_path
+    return [graph[2] for graph in graphs]
 
 
 def gather_graph(traced: Path, path: Path) -> None:

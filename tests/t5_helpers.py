@@ -123,6 +123,34 @@ def write_checkpoint(directory: Path, spiece: bytes, model_type: str = "t5",
     return type(model).from_pretrained(str(directory)).eval()
 
 
+def write_encoder_checkpoint(directory: Path, spiece: bytes, model_type: str = "t5",
+                             seed: int = 0, **config: Any):
+    """A T5EncoderModel (or MT5EncoderModel) checkpoint, as sentence-embedding models ship
+    one: the encoder's weights alone, config.json with that architecture; returns the
+    transformers model loaded from it. Norm weights near 1 and relative position biases at
+    std 1, as in `randomize`, so that the hidden states depend on positions."""
+    from transformers import MT5Config, MT5EncoderModel, T5Config, T5EncoderModel
+
+    directory.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(directory, spiece)
+    processor = spm.SentencePieceProcessor()
+    processor.LoadFromSerializedProto(spiece)
+    values = dict(vocab_size=processor.GetPieceSize() + EXTRA_IDS, dropout_rate=0.1, **config)
+    torch.manual_seed(seed)
+    model = (MT5EncoderModel(MT5Config(**values)) if model_type == "mt5"
+             else T5EncoderModel(T5Config(**values)))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layer_norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif "relative_attention_bias" in name:
+                param.copy_(torch.randn(param.shape, generator=gen))
+    model.eval()
+    model.save_pretrained(directory)
+    return type(model).from_pretrained(str(directory)).eval()
+
+
 def load_tokenizer(directory: Path):
     """transformers' AutoTokenizer on the checkpoint (the reference for token ids)."""
     from transformers import AutoTokenizer

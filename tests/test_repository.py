@@ -75,7 +75,7 @@ class FakeRuntime(FakeBackend):
         self.entry = entry
         self.tokenizer = SimpleNamespace(eos_id=EOS, decode=lambda ids: " ".join(map(str, ids)))
         self.config = SimpleNamespace(name=entry.name, source_language="en",
-                                      target_language="fr")
+                                      target_language="fr", encoder_only=False)
         self.manifest = SimpleNamespace(generation_defaults=GenerationDefaults())
 
 

@@ -265,8 +265,8 @@ class Client(_Base):
         return _encodings(self._call(self.stub.Encode, request, timeout))
 
     def model_info(self, timeout: float | None = None, model: str = "") -> Any:
-        """The ModelInfo message of `model` (the server loads it if need be; "": the
-        default model)."""
+        """The ModelInfo message of `model` ("": the default model; one not loaded is
+        described from its files, not loaded)."""
         return self._call(self.stub.GetModelInfo, pb2.GetModelInfoRequest(model=model),
                           timeout)
 

@@ -108,6 +108,11 @@ class ModelConfig:
         return self.num_heads * self.head_dim
 
     @property
+    def encoder_only(self) -> bool:
+        """No decoder (decoder_layers 0): a T5EncoderModel's encoder, for Encode only."""
+        return self.decoder_layers == 0
+
+    @property
     def embed_scale(self) -> float:
         return self.d_model**0.5 if self.scale_embedding else 1.0
 
@@ -124,12 +129,15 @@ class ModelConfig:
             "d_model",
             "num_heads",
             "encoder_layers",
-            "decoder_layers",
             "ffn_dim",
             "max_source_positions",
             "max_target_positions",
         ):
             positive(name)
+        value = self.decoder_layers
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"decoder_layers must be an integer >= 0 (0: an encoder-only "
+                              f"model, which serves Encode), got {value!r}")
         value = self.attention_head_dim
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"attention_head_dim must be an integer >= 0 (0: d_model / "

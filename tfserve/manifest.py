@@ -4,7 +4,8 @@ Layout of an artifacts directory (docs/artifacts.md):
 
     model.json     this manifest
     encoder.onnx   input_ids, attention_mask -> encoder_hidden_states, cross_key_l, cross_value_l
-    decoder.onnx   one KV-cached step (docs/graph-interface.md)
+    decoder.onnx   one KV-cached step (docs/graph-interface.md); none for an encoder-only
+                   model (model.decoder_layers 0), whose manifest has no "decoder" graph
     tokenizer files named by manifest["tokenizer"]
 
 Pure JSON + dataclasses: part of the serving path.
@@ -84,6 +85,10 @@ class Manifest:
     # the checkpoint's generation settings (tfserve.generation_defaults), HF field names
     generation: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.config.encoder_only:  # no decoder graph
+            self.decoder_file = self.decoder_data = ""
+
     @property
     def generation_defaults(self) -> GenerationDefaults:
         return GenerationDefaults(self.generation)
@@ -93,6 +98,11 @@ class Manifest:
         enc_in, enc_out = encoder_io(layers)
         dec_in, dec_out = decoder_io(layers)
         cfg = self.config
+        graphs = {"encoder": {"file": self.encoder_file, "data": self.encoder_data,
+                              "inputs": enc_in, "outputs": enc_out}}
+        if not cfg.encoder_only:
+            graphs["decoder"] = {"file": self.decoder_file, "data": self.decoder_data,
+                                 "inputs": dec_in, "outputs": dec_out}
         return {
             "format_version": self.format_version,
             "model": cfg.to_dict(),
@@ -103,12 +113,7 @@ class Manifest:
                 "decoder_start": cfg.decoder_start_token_id,
             },
             "tokenizer": self.tokenizer.to_dict(),
-            "graphs": {
-                "encoder": {"file": self.encoder_file, "data": self.encoder_data,
-                            "inputs": enc_in, "outputs": enc_out},
-                "decoder": {"file": self.decoder_file, "data": self.decoder_data,
-                            "inputs": dec_in, "outputs": dec_out},
-            },
+            "graphs": graphs,
             "opset": self.opset,
             "dtype": self.dtype,
             "quantization": self.quantization,
@@ -140,16 +145,19 @@ class Manifest:
             if version != FORMAT_VERSION:
                 raise ManifestError(f"{path}: format_version {version} is not supported "
                                     f"(this tfserve reads {FORMAT_VERSION})")
+            config = ModelConfig.from_dict(data["model"])
+            # an encoder-only model has no decoder graph; any other must have one
+            decoder = {} if config.encoder_only else data["graphs"]["decoder"]
             manifest = cls(
-                config=ModelConfig.from_dict(data["model"]),
+                config=config,
                 tokenizer=TokenizerSpec.from_dict(data["tokenizer"]),
                 dtype=data.get("dtype", "fp32"),
                 quantization=data.get("quantization"),
                 opset=int(data.get("opset", 17)),
                 encoder_file=data["graphs"]["encoder"]["file"],
-                decoder_file=data["graphs"]["decoder"]["file"],
+                decoder_file="" if config.encoder_only else decoder["file"],
                 encoder_data=data["graphs"]["encoder"].get("data", ""),
-                decoder_data=data["graphs"]["decoder"].get("data", ""),
+                decoder_data=decoder.get("data", ""),
                 parity=data.get("parity", {}),
                 provenance=data.get("provenance", {}),
                 generation=_generation(data),

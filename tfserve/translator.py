@@ -151,6 +151,7 @@ class Translator:
         # a model without language codes accepts its own languages (and no other)
         self.model_languages = (getattr(config, "source_language", ""),
                                 getattr(config, "target_language", ""))
+        self.encoder_only = bool(getattr(config, "encoder_only", False))
 
     @property
     def languages(self) -> list[str]:
@@ -177,6 +178,9 @@ class Translator:
         checkpoint's generation defaults fill the others (a DecodingOptions object sets
         all of its fields).
         """
+        if self.encoder_only:
+            raise ValueError("this model is an encoder-only model (decoder_layers 0, a T5 "
+                             "encoder): it embeds (Translator.encode), it does not translate")
         texts = check_texts(texts, max_texts=10**9)
         given = self._given_options(options, overrides)
         per_text = [_per_text(value, name, len(texts)) for name, value in (

@@ -48,15 +48,15 @@ IMPORTERS: dict[str, Importer] = {
     ),
     "t5": Importer(
         model_type="t5",
-        architectures=("T5ForConditionalGeneration",),
+        architectures=("T5ForConditionalGeneration", "T5EncoderModel"),
         module="export.importers.t5",
-        description="T5, Flan-T5, MADLAD-400",
+        description="T5, Flan-T5, MADLAD-400; T5 encoders (Encode only)",
     ),
     "mt5": Importer(
         model_type="mt5",
-        architectures=("MT5ForConditionalGeneration",),
+        architectures=("MT5ForConditionalGeneration", "MT5EncoderModel"),
         module="export.importers.t5",
-        description="mT5",
+        description="mT5; mT5 encoders (Encode only)",
     ),
     "bart": Importer(
         model_type="bart",

@@ -23,6 +23,11 @@ when config.json says `scale_decoder_outputs`, or, in configs written before it 
 `tie_word_embeddings` is not false (mT5: never); the lm_head is untied when the weights hold
 an `lm_head.weight` that differs from the shared table.
 
+An encoder-only checkpoint (T5EncoderModel / MT5EncoderModel in `architectures`, or
+`is_encoder_decoder: false`, as transformers saves them: no `decoder.*` weights) becomes an
+encoder-only model (decoder_layers 0), exported as the encoder graph alone and served for
+Encode.
+
 Decoding starts from `decoder_start_token_id` (the pad token, 0). Task prefixes
 ("translate English to German: ...", "summarize: ...") and MADLAD's target-language token
 ("<2fr> ...") are plain text, which the tokenizer splits as transformers does.
@@ -129,23 +134,23 @@ def scales_decoder_output(config: dict[str, Any], model_type: str) -> bool:
 
 
 def model_config(config: dict[str, Any], directory: Path, tied: bool, unk: int,
-                 generation: dict[str, Any] | None = None) -> ModelConfig:
+                 generation: dict[str, Any] | None = None,
+                 encoder_only: bool = False) -> ModelConfig:
     """config.json (a dict) -> ModelConfig, or SourceError naming the field tfserve can't hold.
 
     tied: whether the output projection is the shared table (from the weights); unk: the
-    tokenizer's unknown-token id.
+    tokenizer's unknown-token id; encoder_only: an encoder checkpoint (decoder_layers 0).
     """
     where = directory / CONFIG_FILE
     model_type = config.get("model_type", "t5")
-    if config.get("is_encoder_decoder", True) is not True:
-        raise SourceError(f"{where}: is_encoder_decoder is {config['is_encoder_decoder']!r}: "
-                          "tfserve runs encoder-decoder T5 checkpoints")
     activation, gated = feed_forward(_field(config, model_type, "feed_forward_proj"), where)
     d_model = _int_field(config, model_type, "d_model", where)
     layers = _int_field(config, model_type, "num_layers", where)
     decoder_layers = config.get("num_decoder_layers")
     decoder_layers = layers if decoder_layers is None else _int_field(
         config, model_type, "num_decoder_layers", where)
+    if encoder_only:
+        decoder_layers = 0
     pad = _int_field(config, model_type, "pad_token_id", where)
     eos = _int_field(config, model_type, "eos_token_id", where)
     # T5 starts decoding with the pad token; transformers falls back to it when unset
@@ -198,6 +203,20 @@ def model_config(config: dict[str, Any], directory: Path, tied: bool, unk: int,
         )
     except ConfigError as exc:
         raise SourceError(f"{where}: {exc}") from exc
+
+
+ENCODER_ARCHITECTURES = ("T5EncoderModel", "MT5EncoderModel")
+
+
+def encoder_only_checkpoint(config: dict[str, Any]) -> str:
+    """Why config.json says the checkpoint is an encoder alone ("" when it does not):
+    transformers' T5EncoderModel saves its architecture and is_encoder_decoder false."""
+    listed = [a for a in config.get("architectures") or [] if a in ENCODER_ARCHITECTURES]
+    if listed:
+        return f"architectures {listed}"
+    if config.get("is_encoder_decoder", True) is False:
+        return "is_encoder_decoder is False"
+    return ""
 
 
 def generation_defaults(directory: Path) -> dict[str, Any]:
@@ -295,14 +314,15 @@ def t5_key_map(encoder_layers: int, decoder_layers: int, gated: bool,
     key_map: dict[str, str | tuple[str, int]] = {
         "shared.weight": "shared.weight",
         "encoder.final_layer_norm.weight": "encoder_norm.weight",
-        "decoder.final_layer_norm.weight": "decoder_norm.weight",
         "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight":
             "encoder_positions.bias.weight",
-        "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight":
-            "decoder_positions.bias.weight",
     }
-    if not tied:
-        key_map["lm_head.weight"] = "lm_head.weight"
+    if decoder_layers:  # an encoder-only model has no decoder parts and no output projection
+        key_map["decoder.final_layer_norm.weight"] = "decoder_norm.weight"
+        key_map["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = \
+            "decoder_positions.bias.weight"
+        if not tied:
+            key_map["lm_head.weight"] = "lm_head.weight"
     for side, count, ours in (("encoder", encoder_layers, "encoder_layers"),
                               ("decoder", decoder_layers, "decoder_layers")):
         # (HF sub-layer index, HF module, our attention, our residual)
@@ -350,12 +370,14 @@ def map_weights(state: dict[str, torch.Tensor], cfg: ModelConfig,
     key_map = t5_key_map(cfg.encoder_layers, cfg.decoder_layers, cfg.ffn_gated,
                          cfg.tie_word_embeddings)
     skipped = set(EMBEDDING_ALIASES) | set(IGNORED)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings or cfg.encoder_only:
         skipped.add("lm_head.weight")
     refuse_unexpected([k for k in state if k not in key_map and k not in skipped], where)
+    stacks = (f"{cfg.encoder_layers} encoder layers (an encoder-only checkpoint)"
+              if cfg.encoder_only else
+              f"{cfg.encoder_layers} encoder / {cfg.decoder_layers} decoder layers")
     refuse_missing(state, list(key_map), where,
-                   f"{cfg.encoder_layers} encoder / {cfg.decoder_layers} decoder layers, "
-                   f"feed_forward_proj {'gated' if cfg.ffn_gated else 'not gated'}")
+                   f"{stacks}, feed_forward_proj {'gated' if cfg.ffn_gated else 'not gated'}")
     mapped: dict[str, torch.Tensor] = {}
     halves: dict[str, list[torch.Tensor]] = {}
     for hf_name, ours in key_map.items():
@@ -383,8 +405,15 @@ def load(directory: Path, config: dict[str, Any]) -> Source:
     spec = tokenizer_spec(directory, config, model_type)
     weights_where = ", ".join(str(p) for p in files)
     state = read_weights(files)
+    # T5EncoderModel / MT5EncoderModel checkpoints hold the encoder alone
+    encoder_only = encoder_only_checkpoint(config)
+    stray = sorted(key for key in state if _strip(key).startswith("decoder."))
+    if encoder_only and stray:
+        raise SourceError(f"{directory / CONFIG_FILE}: {encoder_only} (an encoder-only "
+                          f"checkpoint), but the weights hold decoder tensors ({stray[0]}, "
+                          f"... {len(stray)} in all)")
     cfg = model_config(config, directory, lm_head_tied(state), spec.unk_token_id,
-                       generation_defaults(directory))
+                       generation_defaults(directory), bool(encoder_only))
     spec.decoder_start_token_id = cfg.decoder_start_token_id
     try:
         tokenizer = Tokenizer(directory, spec)

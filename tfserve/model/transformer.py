@@ -21,14 +21,18 @@ class Seq2SeqTransformer(nn.Module):
         self.config = cfg
         shared = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_token_id)
         self.shared = shared
+        # an encoder-only model (decoder_layers 0) has no decoder parts at all: no decoder
+        # embeddings, norm, position bias or output projection
+        decoder = not cfg.encoder_only
         self.encoder_embed = Embeddings(cfg, shared, cfg.max_source_positions)
-        self.decoder_embed = Embeddings(cfg, shared, cfg.max_target_positions)
+        self.decoder_embed = (Embeddings(cfg, shared, cfg.max_target_positions) if decoder
+                              else None)
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         pre = cfg.norm == "pre"
         # pre-norm stacks leave the residual stream unnormalised, so each ends with a norm
         self.encoder_norm = make_norm(cfg) if pre else None
-        self.decoder_norm = make_norm(cfg) if pre else None
+        self.decoder_norm = make_norm(cfg) if pre and decoder else None
         rope = cfg.positions == "rope"
         max_positions = max(cfg.max_source_positions, cfg.max_target_positions)
         self.rope = (RotaryEmbedding(cfg.head_dim, cfg.rope_base, max_positions) if rope
@@ -40,11 +44,11 @@ class Seq2SeqTransformer(nn.Module):
         ) if relative else None
         self.decoder_positions = RelativePositionBias(
             cfg.relative_buckets, cfg.relative_max_distance, cfg.num_heads, bidirectional=False
-        ) if relative else None
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        ) if relative and decoder else None
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if decoder else None
+        if self.lm_head is not None and cfg.tie_word_embeddings:
             self.lm_head.weight = shared.weight
-        if cfg.final_logits_bias:
+        if cfg.final_logits_bias and decoder:
             self.final_logits_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
         else:
             self.final_logits_bias = None
@@ -61,7 +65,7 @@ class Seq2SeqTransformer(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
         nn.init.normal_(self.shared.weight, std=std)
-        if not self.config.tie_word_embeddings:
+        if self.lm_head is not None and not self.config.tie_word_embeddings:
             nn.init.normal_(self.lm_head.weight, std=std)
         with torch.no_grad():
             self.shared.weight[self.config.pad_token_id].zero_()
@@ -154,6 +158,9 @@ class Seq2SeqTransformer(nn.Module):
         positions, query t is at position_ids[:, t] and a key at the number of slots its row
         filled before it.
         """
+        if self.decoder_embed is None or self.lm_head is None:
+            raise ValueError("an encoder-only model (decoder_layers 0) has no decoder: it "
+                             "encodes, it does not generate")
         self._check_ids("decoder input_ids", input_ids, self.config.vocab_size)
         if (self.config.positions != "rope" and not torch.jit.is_tracing()
                 and not torch.compiler.is_compiling() and position_ids.numel()):

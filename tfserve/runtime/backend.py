@@ -2,7 +2,9 @@
 
 It loads model.json, the two graphs and the tokenizer, checks the manifest against the
 graphs, and runs the encoder and one decoder step; the runs' feeds and fetches and the cache
-row operations go to the cache placement chosen once here (`tfserve.runtime.cache`).
+row operations go to the cache placement chosen once here (`tfserve.runtime.cache`). An
+encoder-only model (model.decoder_layers 0) has the encoder graph alone: it encodes, and a
+decoder step is refused.
 """
 
 from __future__ import annotations
@@ -55,17 +57,22 @@ class Runtime:
                             inter_op_threads=inter_op_threads, optimization=optimization,
                             allow_spinning=allow_spinning)
         # read before ONNX Runtime opens them: their external data must lie in the directory
+        self.encoder_only = cfg.encoder_only
         encoder_facts = _graph_facts(self.directory / self.manifest.encoder_file,
                                      self.directory)
-        decoder_facts = _graph_facts(self.directory / self.manifest.decoder_file,
-                                     self.directory)
+        decoder_facts = None if self.encoder_only else _graph_facts(
+            self.directory / self.manifest.decoder_file, self.directory)
         self.encoder = _load_graph(self.directory / self.manifest.encoder_file, session_args)
-        self.decoder = _load_graph(self.directory / self.manifest.decoder_file, session_args)
+        self.decoder = None if self.encoder_only else _load_graph(
+            self.directory / self.manifest.decoder_file, session_args)
+        # the session that tells the providers and threads (the decoder's, where there is one)
+        self._session = self.decoder or self.encoder
         self.float_dtype = np.float16 if self.manifest.dtype == "fp16" else np.float32
         self.encoder_inputs, self.encoder_outputs = encoder_io(cfg.decoder_layers)
         self.decoder_inputs, self.decoder_outputs = decoder_io(cfg.decoder_layers)
         # the optional outputs of graph revision 2; older exports run without them
-        graph_outputs = {output.name for output in self.decoder.get_outputs()}
+        graph_outputs = {output.name for output in self.decoder.get_outputs()} \
+            if self.decoder is not None else set()
         self.top_outputs = [name for name in TOP_OUTPUTS if name in graph_outputs]
         if len(self.top_outputs) != len(TOP_OUTPUTS):
             self.top_outputs = []
@@ -89,12 +96,12 @@ class Runtime:
         cache_shape = (2 * self.layers, cfg.num_heads, cfg.head_dim, self.float_dtype)
         self.cache_storage: CacheStorage = (
             DeviceCache(*cache_shape, provider.memory, self.device_index,
-                        self.decoder.get_providers())
+                        self._session.get_providers())
             if self.device_cache else HostCache(*cache_shape))
         self._check_against_graphs(encoder_facts, decoder_facts)
 
     def _check_against_graphs(self, encoder_facts: GraphFacts,
-                              decoder_facts: GraphFacts) -> None:
+                              decoder_facts: GraphFacts | None) -> None:
         """Refuse, naming the field, its value and the graph's figure, a manifest that claims
         what its graphs do not take, instead of failing requests later (or, on CUDA, where an
         out-of-range position is not an error, answering from garbage).
@@ -105,14 +112,18 @@ class Runtime:
         bound max_source_positions and max_target_positions; graphs that compute positions
         (fp16 RoPE) or have relative ones (T5's bias per distance bucket) have no bound.
         Then one decoder step at the last target position runs, which proves that the graphs
-        run together and, on CPU, that the position is taken.
+        run together and, on CPU, that the position is taken. An encoder-only model: its
+        encoder graph's names, its position table, one encoder run.
         """
         where = self.directory / MANIFEST_FILE
         cfg = self.config
         files = {"encoder": self.manifest.encoder_file, "decoder": self.manifest.decoder_file}
         expected = {"encoder": (self.encoder_inputs, self.encoder_outputs),
                     "decoder": (self.decoder_inputs, self.decoder_outputs)}
-        for graph, loaded in (("encoder", self.encoder), ("decoder", self.decoder)):
+        graphs = [("encoder", self.encoder)]
+        if self.decoder is not None:
+            graphs.append(("decoder", self.decoder))
+        for graph, loaded in graphs:
             inputs = {value.name for value in loaded.get_inputs()}
             outputs = {value.name for value in loaded.get_outputs()}
             # layers: the decoder takes past_key_l and the encoder gives cross_key_l per layer
@@ -133,6 +144,21 @@ class Runtime:
             if extra:
                 raise ValueError(f"{where}: {files[graph]} takes an input {extra[0]!r} that "
                                  f"the {graph} interface does not have")
+        if self.decoder is not None:
+            self._check_decoder(files)
+        if self.tokenizer.vocab_size > cfg.vocab_size:
+            name = self.manifest.tokenizer.vocab or self.manifest.tokenizer.source
+            raise ValueError(f"{where}: model.vocab_size is {cfg.vocab_size}, but the "
+                             f"tokenizer ({name}) has {self.tokenizer.vocab_size} ids")
+        self._check_positions(encoder_facts, decoder_facts)
+        self._run_once(files)
+
+    def _check_decoder(self, files: dict[str, str]) -> None:
+        """The decoder graph's heads, head dim, float type and vocabulary against the
+        manifest (_check_against_graphs)."""
+        assert self.decoder is not None
+        where = self.directory / MANIFEST_FILE
+        cfg = self.config
         past = next(v for v in self.decoder.get_inputs() if v.name == "past_key_0")
         heads, head_dim = past.shape[1], past.shape[3]  # [B,H,P,Dh]
         if isinstance(heads, int) and heads != cfg.num_heads:
@@ -153,13 +179,19 @@ class Runtime:
         if isinstance(vocab, int) and vocab != cfg.vocab_size:
             raise ValueError(f"{where}: model.vocab_size is {cfg.vocab_size}, but the decoder "
                              f"graph's logits have {vocab} entries ({files['decoder']})")
-        if self.tokenizer.vocab_size > cfg.vocab_size:
-            name = self.manifest.tokenizer.vocab or self.manifest.tokenizer.source
-            raise ValueError(f"{where}: model.vocab_size is {cfg.vocab_size}, but the "
-                             f"tokenizer ({name}) has {self.tokenizer.vocab_size} ids")
-        for graph, facts, field_name, limit in (
-                ("encoder", encoder_facts, "max_source_positions", cfg.max_source_positions),
-                ("decoder", decoder_facts, "max_target_positions", cfg.max_target_positions)):
+
+    def _check_positions(self, encoder_facts: GraphFacts,
+                         decoder_facts: GraphFacts | None) -> None:
+        """The graphs' position tables must hold max_source_positions / max_target_positions
+        (_check_against_graphs)."""
+        where = self.directory / MANIFEST_FILE
+        cfg = self.config
+        files = {"encoder": self.manifest.encoder_file, "decoder": self.manifest.decoder_file}
+        checked = [("encoder", encoder_facts, "max_source_positions", cfg.max_source_positions)]
+        if decoder_facts is not None:
+            checked.append(("decoder", decoder_facts, "max_target_positions",
+                            cfg.max_target_positions))
+        for graph, facts, field_name, limit in checked:
             # relative positions (T5) read a table of buckets, not of positions: any length
             tables = facts.position_tables() if cfg.positions != "relative" else []
             if not tables:
@@ -175,10 +207,10 @@ class Runtime:
                 raise ValueError(f"{where}: model.{field_name} is {limit}, but {takes}: "
                                  f"{files[graph]}'s position table {table!r} has {rows} rows"
                                  f"{offset}")
-        self._run_once(files)
 
     def _run_once(self, files: dict[str, str]) -> None:
-        """Encode one token and decode one step at the last target position."""
+        """Encode one token and decode one step at the last target position (an
+        encoder-only model: encode)."""
         where = self.directory / MANIFEST_FILE
         cfg = self.config
         input_ids = np.array([[cfg.eos_token_id]], np.int64)  # [1,1]
@@ -187,6 +219,8 @@ class Runtime:
         except Exception as exc:  # onnxruntime's own classes too
             raise ValueError(f"{self.directory / files['encoder']}: the encoder graph does "
                              f"not run ({_first_line(exc)})") from None
+        if self.decoder is None:
+            return
         last = cfg.max_target_positions - 1
         try:
             out = self.step(np.array([[cfg.decoder_start_token_id]], np.int64),  # [1,1]
@@ -205,8 +239,8 @@ class Runtime:
     def describe(self) -> dict[str, Any]:
         return {
             "device": self.device,
-            "providers": self.decoder.get_providers(),
-            "intra_op_threads": self.decoder.get_session_options().intra_op_num_threads,
+            "providers": self._session.get_providers(),
+            "intra_op_threads": self._session.get_session_options().intra_op_num_threads,
             "dtype": self.manifest.dtype,
             "quantization": self.manifest.quantization,
         }
@@ -238,6 +272,9 @@ class Runtime:
     ) -> StepOutput:
         """One step -> logits float32 [B,T,V], the present cache [k_0, v_0, ...] and the
         graph's top candidates when it has them (graph revision 2)."""
+        if self.decoder is None:
+            raise ValueError(f"{self.directory} is an encoder-only model (model.decoder_layers "
+                             "0): it encodes, it does not generate")
         small = {
             "input_ids": _int64(input_ids),
             "position_ids": _int64(position_ids),

@@ -112,6 +112,10 @@ class EncodeInput:
     source_language: str = ""
 
 
+ENCODER_ONLY = ("model: this model is an encoder-only model (decoder_layers 0, a T5 encoder): "
+                "it answers Encode, not Translate")
+
+
 class Submitter:
     """Checks one model's requests against its limits and the server's, and submits them to
     its scheduler.
@@ -134,6 +138,7 @@ class Submitter:
         self.model_languages = (runtime.config.source_language, runtime.config.target_language)
         self.generation_defaults = server_defaults(runtime.manifest.generation_defaults,
                                                    config.default_max_new_tokens)
+        self.encoder_only = bool(runtime.config.encoder_only)
 
     async def sources(self, request: TranslateInput, call: Call) -> list[list[int]]:
         """Token ids per input from texts or token_ids, with the shared checks."""
@@ -217,6 +222,8 @@ class Submitter:
     async def submit_translate(self, request: TranslateInput, call: Call,
                                on_event: Callable[[StreamEvent], None] | None = None) -> Job:
         """Check, tokenize and queue a translate request; on_event streams its tokens."""
+        if self.encoder_only:
+            raise InvalidArgument(ENCODER_ONLY)
         sources = await self.sources(request, call)
         options = await self.options(request, len(sources))
         with field_errors("options."):
