@@ -180,7 +180,7 @@ class Translator:
         """
         if self.encoder_only:
             raise ValueError("this model is an encoder-only model (decoder_layers 0, a T5 "
-                             "encoder): it embeds (Translator.encode), it does not translate")
+                             "encoder): it embeds (encode), it does not translate")
         texts = check_texts(texts, max_texts=10**9)
         given = self._given_options(options, overrides)
         per_text = [_per_text(value, name, len(texts)) for name, value in (
