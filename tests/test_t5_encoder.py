@@ -91,6 +91,19 @@ def test_an_encoder_checkpoint_exports_the_encoder_graph_alone(name, encoders):
     assert parity["embeddings"]["min_cosine"] > 1 - 1e-6
 
 
+def test_an_encoder_loads_where_the_cache_would_live_on_the_device(encoders):
+    """The placement CUDA chooses (device_cache, as with IO binding) has no KV cache to hold
+    for an encoder: the runtime loads and encodes as on the host (before, building the
+    empty cache-row graphs failed the load)."""
+    _, _, out = encoders["t5"]
+    texts = th.sentences(4, seed=7)
+    runtime = Runtime(out, intra_op_threads=1, device_cache=True)
+    assert runtime.device_cache is False
+    ids, mask = runtime.tokenizer.encode_batch(texts)
+    np.testing.assert_array_equal(runtime.hidden_states(ids, mask),
+                                  Runtime(out, intra_op_threads=1).hidden_states(ids, mask))
+
+
 @pytest.mark.parametrize("name", list(ENCODERS))
 def test_embeddings_and_hidden_states_match_the_transformers_encoder(name, encoders):
     """Mean pooling and every token's hidden state == transformers' encoder (last hidden

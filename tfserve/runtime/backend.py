@@ -89,8 +89,10 @@ class Runtime:
         self.max_target_positions = cfg.max_target_positions
         self.max_source_positions = cfg.max_source_positions
         provider = PROVIDERS[self.device_kind]
-        self.device_cache = (provider.cache_on_device if device_cache is None
-                             else device_cache)
+        # an encoder-only model has no KV cache to keep anywhere: its encoder's output is
+        # fetched to the host (and DeviceCache's row graphs would have no tensors to move)
+        self.device_cache = not self.encoder_only and (
+            provider.cache_on_device if device_cache is None else device_cache)
         # where the KV cache lives between steps, chosen once: every run and row operation
         # goes through it
         cache_shape = (2 * self.layers, cfg.num_heads, cfg.head_dim, self.float_dtype)
