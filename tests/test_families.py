@@ -37,6 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only, never th
 transformers = pytest.importorskip("transformers")
 
 import family_helpers as fh  # noqa: E402
+from gpu_helpers import MIN_IDENTICAL, cuda_agreement, needs_cuda  # noqa: E402
 from test_marian import tokenizer_strings  # noqa: E402
 
 from export.cli import main as export_main  # noqa: E402
@@ -1035,6 +1036,21 @@ def test_stray_tensors_are_refused(checkpoints, tmp_path):
     with pytest.raises(SourceError, match="no place in tfserve's model: "
                                           "encoder.layer_norm.weight"):
         import_hf(directory)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", fh.FAMILIES)
+def test_cuda_matches_cpu(name, exported):
+    """Each family's export on CUDA (IO binding) decodes as on CPU: mixed target languages,
+    greedy and beam 4, 50 sentences."""
+    source, targets = fh.LANGUAGES[name]
+    texts = fh.sentences(COUNT, seed=5)
+    identical = cuda_agreement(exported[name], texts, source_language=source or None,
+                               target_language=[targets[i % len(targets)] or None
+                                                for i in range(COUNT)],
+                               max_new_tokens=MAX_NEW_TOKENS)
+    assert min(identical.values()) >= MIN_IDENTICAL * COUNT, identical
 
 
 def test_step_profile_names_the_output_projection(exported, capsys):

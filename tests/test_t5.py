@@ -37,6 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only, never th
 transformers = pytest.importorskip("transformers")
 
 import t5_helpers as th  # noqa: E402
+from gpu_helpers import MIN_IDENTICAL, cuda_agreement, needs_cuda  # noqa: E402
 from test_marian import tokenizer_strings  # noqa: E402
 
 from export.cli import main as export_main  # noqa: E402
@@ -500,6 +501,17 @@ def test_mean_pooling_matches_t5_encoder_model(name, checkpoints, exported):
                     Translator(exported[name], intra_op_threads=1).encode(texts)])
     scale = np.abs(expected).max(axis=-1, keepdims=True)
     assert float((np.abs(got - expected) / scale).max()) < 1e-5
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", EXPORTED)
+def test_cuda_matches_cpu(name, exported):
+    """T5's relative position bias and RMSNorm on CUDA (IO binding): greedy and beam 4 over
+    50 texts longer than the max distance decode as on CPU."""
+    identical = cuda_agreement(exported[name], th.sentences(50, seed=5, high=36),
+                               max_new_tokens=20)
+    assert min(identical.values()) >= MIN_IDENTICAL * 50, identical
 
 
 def test_task_prefixes_and_language_tokens_through_the_translator(checkpoints, exported,
