@@ -161,7 +161,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         float_dtype = torch.float16 if args.dtype == "fp16" else torch.float32
         fused = fused_attention_for(float_dtype)
-        with progress.step(f"tracing encoder and decoder (opset {args.opset}, {args.dtype})"):
+        graphs_traced = "the encoder" if model.config.encoder_only else "encoder and decoder"
+        with progress.step(f"tracing {graphs_traced} (opset {args.opset}, {args.dtype})"):
             # an encoder-only model (T5EncoderModel) has the encoder graph alone
             graphs = [path.name for path in export_graphs(model.to(float_dtype), staging,
                                                           args.opset, float_dtype, fused)]
@@ -254,17 +255,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.quiet:
         return 0
     parity = result["parity"]
+    status = "passed" if parity["passed"] else "FAILED (published with --force)"
+    print(f"exported {result['out']}: parity {status}: {parity_summary(parity)}")
+    return 0
+
+
+def parity_summary(parity: dict[str, Any]) -> str:
+    """One line of the parity report: the logits' (an encoder-only model: the hidden
+    states' and embeddings') differences and the greedy agreement."""
     figures = parity.get("max_abs_diff", {})
-    greedy = parity.get("greedy") or parity.get("greedy_random_sources") or {}
-    summary = f"max |logits diff| {figures['max_logits']:.2e}" if figures else parity.get(
-        "note", "")
-    if figures and "max_rel_diff" in parity:
-        summary += f" (relative {parity['max_rel_diff']['max_logits']:.2e}"
+    tensor = "logits" if "max_logits" in figures else "encoder_hidden_states"
+    if tensor not in figures:
+        return str(parity.get("note", ""))
+    shown = "logits" if tensor == "logits" else "hidden states"
+    key = "max_logits" if tensor == "logits" else tensor
+    summary = f"max |{shown} diff| {figures[key]:.2e}"
+    if "max_rel_diff" in parity:
+        summary += f" (relative {parity['max_rel_diff'][key]:.2e}"
         if "tolerance_ratio" in parity:
             summary += f", {parity['tolerance_ratio']:.2g} of the tolerance"
         summary += ")"
+    embeddings = parity.get("embeddings", {})
+    if embeddings.get("sources"):
+        summary += (f", embedding cosine >= {embeddings['min_cosine']:.8f} over "
+                    f"{embeddings['sources']} sources")
+    greedy = parity.get("greedy") or parity.get("greedy_random_sources") or {}
     if greedy.get("sentences"):
         summary += f", greedy identical {greedy['identical']}/{greedy['sentences']}"
-    status = "passed" if parity["passed"] else "FAILED (published with --force)"
-    print(f"exported {result['out']}: parity {status}: {summary}")
-    return 0
+    return summary

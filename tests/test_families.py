@@ -964,6 +964,8 @@ def edit_json(path: Path, **changes) -> None:
     ("nllb", "config.json", dict(vocab_size=100), "more than the model's vocab_size 100"),
     ("nllb", "config.json", dict(max_position_embeddings=0),
      "max_source_positions must be a positive integer"),
+    ("bart", "config.json", dict(decoder_layers=0),
+     "decoder_layers must be a positive integer, got 0"),
 ])
 def test_unsupported_checkpoints_are_refused_naming_the_field(name, file, changes, message,
                                                             checkpoints, tmp_path):
@@ -1003,6 +1005,40 @@ def test_tokenizer_json_is_built_from_the_slow_files(name, checkpoints, exported
                      max_new_tokens=12)
     assert Translator(out, intra_op_threads=1).translate(texts, **languages) == Translator(
         exported[name], intra_op_threads=1).translate(texts, **languages)
+
+
+def test_the_older_sentencepiece_file_name_is_read(checkpoints, tmp_path):
+    """mBART-cc25's checkpoints name their SentencePiece model sentence.bpe.model, which
+    transformers' tokenizers do not read: export shows it to them under the name they read
+    (before, AutoTokenizer built a tokenizer of the special tokens alone)."""
+    directory = copy_checkpoint(checkpoints, tmp_path, "mbart50")
+    (directory / "tokenizer.json").unlink()
+    (directory / "sentencepiece.bpe.model").rename(directory / "sentence.bpe.model")
+    out = tmp_path / "out"
+    assert export_main(["--from-hf", str(directory), "--out", str(out), "--quiet"]) == 0
+    manifest = Manifest.load(out)
+    assert "from sentence.bpe.model" in manifest.provenance["tokenizer"]
+    ours = Tokenizer(out, manifest.tokenizer)
+    reference = copy_checkpoint(checkpoints, tmp_path / "reference", "mbart50")
+    (reference / "tokenizer.json").unlink()  # AutoTokenizer on the file under its own name
+    theirs = auto_tokenizer(reference, "en_XX")
+    strings = family_strings("mbart50")
+    assert [ours.encode(s, "en_XX") for s in strings] == [theirs(s).input_ids
+                                                           for s in strings]
+
+
+def test_a_tokenizer_built_without_its_vocabulary_is_refused(checkpoints, tmp_path):
+    """Slow files transformers does not read for the family (a vocab.json beside an NLLB
+    config): the tokenizer it builds holds the special tokens alone, and is refused against
+    the model's vocab_size instead of exporting a model whose every word is <unk>."""
+    directory = copy_checkpoint(checkpoints, tmp_path, "nllb")
+    (directory / "tokenizer.json").unlink()
+    (directory / "sentencepiece.bpe.model").unlink()
+    (directory / "vocab.json").write_text(json.dumps({"<s>": 0}), encoding="utf-8")
+    with pytest.raises(SourceError) as info:
+        import_hf(directory)
+    assert "it did not read the vocabulary" in str(info.value)
+    assert "against the model's vocab_size 228" in str(info.value)
 
 
 def test_a_checkpoint_without_tokenizer_files_is_refused(checkpoints, tmp_path, capsys,

@@ -633,6 +633,7 @@ def test_cli_names_the_missing_file(missing, checkpoints, tmp_path, capsys):
     (dict(architectures=["MarianForCausalLM"]), "MarianForCausalLM"),
     (dict(encoder_layers=3), "missing tensor(s) encoder.layers.2"),
     (dict(encoder_ffn_dim=48, decoder_ffn_dim=48), "ffn.fc1.weight has shape"),
+    (dict(decoder_layers=0), "decoder_layers must be a positive integer, got 0"),
 ])
 def test_unsupported_config_is_refused_naming_the_field(changes, message, checkpoints,
                                                          tmp_path):

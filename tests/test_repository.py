@@ -632,6 +632,9 @@ def test_model_info_of_a_model_not_loaded_loads_nothing(tmp_path: Path,
             client.model_info(model="broken")
         assert raised.value.code() == grpc.StatusCode.INTERNAL
         assert raised.value.details().startswith("model 'broken' cannot be loaded: ")
+        # nothing was loaded for it, so nothing was unloaded to make room
+        assert [(e.name, e.state) for e in client.list_models()] == [
+            ("alpha", "unloaded"), ("beta", "loaded"), ("broken", "unloaded")]
 
 
 def test_concurrent_first_requests_load_the_model_once(tmp_path: Path,

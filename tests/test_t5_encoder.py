@@ -77,6 +77,18 @@ def relative(got: np.ndarray, expected: np.ndarray) -> float:
     return float((np.abs(got - expected) / scale).max())
 
 
+def test_the_export_reports_an_encoders_parity(encoders, tmp_path, capsys):
+    """Without --quiet, the last line reports the hidden states' and the embeddings'
+    agreement (an encoder's report has no logits)."""
+    directory, _, _ = encoders["t5"]
+    out = tmp_path / "out"
+    assert export_main(["--from-hf", str(directory), "--out", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"exported {out}: parity passed: max |hidden states diff| ")
+    cosine = float(last.split("embedding cosine >= ")[1].split()[0])
+    assert 0.9999 <= cosine <= 1.0 and last.endswith(" over 16 sources")
+
+
 @pytest.mark.parametrize("name", list(ENCODERS))
 def test_an_encoder_checkpoint_exports_the_encoder_graph_alone(name, encoders):
     _, _, out = encoders[name]
@@ -177,7 +189,22 @@ def test_translate_is_refused_naming_the_model_and_encode_goes_on(encoders):
                                                              "message": REFUSED}
         info = client.model_info()
         assert (info.decoder_layers, info.encoder_layers) == (0, SIZES["num_layers"])
+        # no decoding limits or defaults for a model that does not decode
+        assert (info.limits.default_max_new_tokens, info.limits.max_beams) == (0, 0)
+        assert not info.generation_defaults.HasField("max_new_tokens")
+        assert info.parity.passed
         assert len(client.encode(["the cat", "one two"])) == 2
+
+
+def test_tools_that_need_a_decoder_refuse_an_encoder(encoders, capsys):
+    from tfserve.bench.step_profile import main as step_profile
+
+    _, _, out = encoders["t5"]
+    with pytest.raises(SystemExit) as stopped:
+        step_profile([str(out)])
+    assert stopped.value.code == 2
+    assert "is an encoder-only model (model.decoder_layers 0): it has no decoder step" in \
+        capsys.readouterr().err
 
 
 def test_int8_and_fp16_encoders_pass_their_parity_check(encoders, tmp_path):

@@ -147,6 +147,9 @@ class Manifest:
                                     f"(this tfserve reads {FORMAT_VERSION})")
             config = ModelConfig.from_dict(data["model"])
             # an encoder-only model has no decoder graph; any other must have one
+            if not config.encoder_only and "decoder" not in data["graphs"]:
+                raise ManifestError(f"{path}: graphs.decoder is required unless "
+                                    "model.decoder_layers is 0 (an encoder-only model)")
             decoder = {} if config.encoder_only else data["graphs"]["decoder"]
             manifest = cls(
                 config=config,

@@ -42,6 +42,7 @@ import torch
 from export.importers.hf_files import (
     EMBEDDING_ALIASES,
     checkpoint_name,
+    decoder_layers,
     float_tensor,
     load_weights,
     read_json,
@@ -211,7 +212,8 @@ def model_config(family: Family, config: dict[str, Any], directory: Path, unk_to
             num_heads=_same(family, config, "encoder_attention_heads",
                             "decoder_attention_heads", where, "number of attention heads"),
             encoder_layers=_int_field(family, config, "encoder_layers", where),
-            decoder_layers=_int_field(family, config, "decoder_layers", where),
+            decoder_layers=decoder_layers(_int_field(family, config, "decoder_layers", where),
+                                          where),
             ffn_dim=_same(family, config, "encoder_ffn_dim", "decoder_ffn_dim", where,
                           "FFN width"),
             activation=ACTIVATIONS[activation],
@@ -383,7 +385,7 @@ def hf_json_spec(directory: Path, config: dict[str, Any], family: Family,
         if (directory / TOKENIZER_JSON).is_file():
             loaded = load_hf_json(directory / TOKENIZER_JSON)
         else:
-            built = build_tokenizer_json(directory, what)
+            built = build_tokenizer_json(directory, what, family.value(config, "vocab_size"))
             loaded = HFTokenizer.from_str(built.text)
     except TokenizerError as exc:
         raise SourceError(str(exc)) from exc
@@ -394,10 +396,13 @@ def hf_json_spec(directory: Path, config: dict[str, Any], family: Family,
     return HfJson(spec, loaded, built)
 
 
-def build_tokenizer_json(directory: Path, what: str) -> BuiltTokenizer:
+def build_tokenizer_json(directory: Path, what: str, vocab_size: Any) -> BuiltTokenizer:
     """tokenizer.json for a checkpoint that ships only its slow tokenizer's files, built as
     `transformers.AutoTokenizer.from_pretrained(directory)` builds it (the reference the
-    ids are checked against), offline."""
+    ids are checked against), offline. mBART-cc25's older file name, sentence.bpe.model, is
+    shown to transformers under the name its tokenizers read; a tokenizer built without its
+    vocabulary (transformers builds one from the special tokens alone when it finds no
+    file it reads) is refused against the model's vocab_size."""
     present = [name for name in SLOW_TOKENIZER_FILES if (directory / name).is_file()]
     if not present:
         raise SourceError(f"{what} tokenizer not found in {directory}: expected "
@@ -410,17 +415,33 @@ def build_tokenizer_json(directory: Path, what: str) -> BuiltTokenizer:
                           f"{', '.join(present)} needs transformers (pip install "
                           "transformers), or save the tokenizer with transformers' "
                           "save_pretrained, which writes tokenizer.json") from exc
-    try:
-        loaded = transformers.AutoTokenizer.from_pretrained(str(directory),
-                                                            local_files_only=True)
-    except Exception as exc:  # transformers raises what its converters raise
-        first = str(exc).splitlines()[0] if str(exc) else repr(exc)
-        raise SourceError(f"{directory} has no {TOKENIZER_JSON} and transformers could not "
-                          f"build one from {', '.join(present)}: {first}") from exc
+    with tempfile.TemporaryDirectory(prefix="tfserve-slow-tokenizer-") as temporary:
+        # the checkpoint's files by link, the SentencePiece model under the name read
+        view = Path(temporary)
+        for path in directory.iterdir():
+            (view / path.name).symlink_to(path.resolve())
+        if not (view / SLOW_TOKENIZER_FILES[0]).exists() and \
+                (view / SLOW_TOKENIZER_FILES[1]).exists():
+            (view / SLOW_TOKENIZER_FILES[0]).symlink_to((directory /
+                                                        SLOW_TOKENIZER_FILES[1]).resolve())
+        try:
+            loaded = transformers.AutoTokenizer.from_pretrained(str(view),
+                                                                local_files_only=True)
+        except Exception as exc:  # transformers raises what its converters raise
+            first = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            raise SourceError(f"{directory} has no {TOKENIZER_JSON} and transformers could "
+                              f"not build one from {', '.join(present)}: {first}") from exc
     backend = getattr(loaded, "backend_tokenizer", None)
     if backend is None:
         raise SourceError(f"{directory} has no {TOKENIZER_JSON} and transformers' "
                           f"{type(loaded).__name__} has no tokenizers backend to write one")
+    size = backend.get_vocab_size(with_added_tokens=True)
+    if isinstance(vocab_size, int) and size * 2 < vocab_size:
+        raise SourceError(f"{directory} has no {TOKENIZER_JSON} and transformers' "
+                          f"{type(loaded).__name__} built one of {size} ids from "
+                          f"{', '.join(present)}, against the model's vocab_size "
+                          f"{vocab_size}: it did not read the vocabulary (save the tokenizer "
+                          "with transformers' save_pretrained, which writes tokenizer.json)")
     return BuiltTokenizer(backend.to_str(), f"built by transformers {transformers.__version__}"
                           f" ({type(loaded).__name__}) from {', '.join(present)}")
 

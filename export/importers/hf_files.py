@@ -175,3 +175,11 @@ def float_tensor(state: dict[str, torch.Tensor], name: str, where: str) -> torch
     if not tensor.is_floating_point():
         raise SourceError(f"{where}: tensor {name} has dtype {tensor.dtype}, not float")
     return tensor.float()
+
+
+def decoder_layers(value: int, where: Path) -> int:
+    """config.json's decoder_layers for a family that decodes: positive (ModelConfig takes 0
+    for encoder-only models, which only T5 encoders are)."""
+    if value < 1:
+        raise SourceError(f"{where}: decoder_layers must be a positive integer, got {value}")
+    return value

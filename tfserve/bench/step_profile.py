@@ -33,6 +33,9 @@ def profile(artifacts: Path, batch: int, threads: int, past: int, source: int, s
     """The report's lines (module docstring)."""
     manifest = Manifest.load(artifacts)
     cfg = manifest.config
+    if cfg.encoder_only:
+        raise ValueError(f"{artifacts} is an encoder-only model (model.decoder_layers 0): it "
+                         "has no decoder step to profile")
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")

@@ -27,6 +27,7 @@ from tfserve.serving.loaded import LoadedModel
 from tfserve.serving.model_info import ModelInfo, model_info, unloaded_model_info
 from tfserve.serving.repository import ModelRepository, ModelStatus
 from tfserve.serving.requests import Submitter
+from tfserve.serving.status import ModelLoadFailed
 from tfserve.serving.tracing import start_tracing
 from tfserve.settings import ServerConfig
 
@@ -107,28 +108,30 @@ class ServingCore:
     async def describe(self, name: str, call: Call) -> ModelInfo:
         """The ModelInfo of the model `name` names (empty: the default). A model that is not
         loaded is described from its files without loading it (no sessions, so nothing
-        else is unloaded under --max-loaded-models); one whose files cannot be read is
-        loaded, which fails with the reason, as a request to it would."""
+        else is unloaded under --max-loaded-models); one whose last load failed, or whose
+        files cannot be read, answers ModelLoadFailed with the reason, loading nothing."""
         slot = self.repository.slot(name)
         call.concerns(slot.name)
+        if slot.model is not None:
+            return self.model_info(await self.model(name, call))
         entry = slot.entry
-        if slot.model is None and not entry.manifest_error and not slot.error:
-            key = (entry.name, entry.version)
-            described = self._described.get(key)
-            if described is None:
-                try:
-                    described = await asyncio.to_thread(
-                        unloaded_model_info, entry.path, self.config, entry.name, entry.version)
-                except (OSError, ValueError) as exc:  # ManifestError, TokenizerError
-                    log.warning("model %s: describing it from its files failed (%s); loading "
-                                "it instead", entry.name, exc)
-                else:
-                    self._described = {k: v for k, v in self._described.items()
-                                       if k[0] != entry.name}
-                    self._described[key] = described
-            if described is not None:
-                return described
-        return self.model_info(await self.model(name, call))
+        failed = f"model {slot.name!r} cannot be loaded: "
+        if slot.error and slot.failed_version == entry.version:
+            raise ModelLoadFailed(failed + slot.error)  # its last load's failure
+        if entry.manifest_error:
+            raise ModelLoadFailed(failed + entry.manifest_error)
+        key = (entry.name, entry.version)
+        described = self._described.get(key)
+        if described is None:
+            try:
+                described = await asyncio.to_thread(
+                    unloaded_model_info, entry.path, self.config, entry.name, entry.version)
+            except (OSError, ValueError) as exc:  # ManifestError, TokenizerError
+                raise ModelLoadFailed(failed + str(exc)) from exc
+            # one version per model: a replaced version's description goes
+            self._described = {k: v for k, v in self._described.items() if k[0] != entry.name}
+            self._described[key] = described
+        return described
 
     def list_models(self) -> tuple[list[ModelStatus], str]:
         """Every model's status, and the default model's name ("" when there is none)."""

@@ -207,9 +207,9 @@ ROUTES = (
     Route(Operation("GET", "/v1/models", "Every model of the repository and its state",
                     response="ListModelsResponse", errors=(401, 503)),
           "models"),
-    Route(Operation("GET", "/v1/models/{name}", "One model (loaded first if it is not) and "
-                    "the server's limits", response="ModelInfo",
-                    errors=(401, 404, 429, 500, 503)),
+    Route(Operation("GET", "/v1/models/{name}", "One model (described from its files, not "
+                    "loaded, when it is not loaded) and the server's limits",
+                    response="ModelInfo", errors=(401, 404, 500, 503)),
           "named_model"),
     Route(Operation("GET", "/metrics", "Prometheus metrics of this server process",
                     content="text/plain", errors=(401,)),

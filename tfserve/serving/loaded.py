@@ -45,7 +45,8 @@ class LoadedModel:
     def __init__(self, entry: Entry, runtime: Any, config: ServerConfig,
                  metrics: Metrics) -> None:
         limit = runtime.max_target_positions - 1
-        if config.default_max_new_tokens > limit:
+        # an encoder-only model generates nothing: the server's decoding default is not its
+        if config.default_max_new_tokens > limit and not runtime.config.encoder_only:
             raise ValueError(f"--default-max-new-tokens {config.default_max_new_tokens} is "
                              f"over the model's limit of {limit} new tokens")
         self.entry = entry

@@ -50,12 +50,17 @@ def describe_model(manifest: Manifest, tokenizer: Tokenizer, describe: dict[str,
                    config: ServerConfig, max_new_tokens_limit: int, name: str,
                    version: str) -> Any:
     """ModelInfo from a model's manifest, tokenizer and runtime description (device,
-    providers)."""
+    providers). An encoder-only model has no decoding limits or defaults: they stay 0 and
+    empty."""
     model = manifest.config
     parity = dict(manifest.parity or {})
-    recorded = manifest.generation_defaults
+    generates = not model.encoder_only
+    recorded = manifest.generation_defaults if generates else GenerationDefaults()
     applied = server_defaults(recorded, config.default_max_new_tokens)
-    defaults = applied.decoding_fields(0, max_new_tokens_limit, tokenizer.eos_id)
+    defaults = applied.decoding_fields(0, max_new_tokens_limit, tokenizer.eos_id) \
+        if generates else {}
+    default_max_new_tokens = (defaults.get("max_new_tokens") or DecodingOptions().validate(
+        max_new_tokens_limit).max_new_tokens) if generates else 0
     return ModelInfo(
         model_name=model.name,
         source_language=default_source_language(tokenizer, model.source_language),
@@ -76,10 +81,8 @@ def describe_model(manifest: Manifest, tokenizer: Tokenizer, describe: dict[str,
             max_batch_tokens=config.max_batch_tokens,
             max_queue=config.max_queue,
             max_message_bytes=config.max_message_bytes,
-            default_max_new_tokens=(defaults.get("max_new_tokens")
-                                    or DecodingOptions().validate(
-                                        max_new_tokens_limit).max_new_tokens),
-            max_beams=DecodingOptions.MAX_BEAMS,
+            default_max_new_tokens=default_max_new_tokens,
+            max_beams=DecodingOptions.MAX_BEAMS if generates else 0,
         ),
         device=describe.get("device", config.device),
         providers=describe.get("providers", []),
