@@ -108,6 +108,12 @@ CASES: dict[str, tuple[str, Callable[[Path], None], tuple[str, ...]]] = {
     "external-data-outside": ("demo", _external_data_outside,
                               ("encoder.onnx names external data '../stolen.data', which "
                                "is outside",)),
+    "no-decoder-graph": ("demo", lambda d: _edit_manifest(d, lambda m: m["graphs"].pop("decoder")),
+                         ("model.json: graphs.decoder is required unless model.decoder_layers "
+                          "is 0 (an encoder-only model)",)),
+    "decoder-layers-0": ("demo", _set_model(decoder_layers=0),
+                         ("model.json: model.decoder_layers is 0, but encoder.onnx has 3 "
+                          "decoder layers (cross_key_*)",)),
     "manifest-truncated": ("demo", _write("model.json", lambda b: b[: len(b) // 2]),
                            ("cannot read", "model.json")),
     "vocab-size": ("demo", _set_model(vocab_size=5),
