@@ -196,6 +196,29 @@ def test_translate_is_refused_naming_the_model_and_encode_goes_on(encoders):
         assert len(client.encode(["the cat", "one two"])) == 2
 
 
+def test_loadgen_drives_encode_over_both_transports(encoders, capsys):
+    """`loadgen --rpc encode`: Encode calls over gRPC and POST /v1/encode over HTTP, the same
+    texts in the same order, counted as embedded texts and source tokens; no errors."""
+    from tfserve.bench.loadgen import main as loadgen
+
+    _, _, out = encoders["t5"]
+    port = free_port()
+    args = ["--model", str(out), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+            "--http-port", str(port), "--threads", "1", "--log-level", "warning"]
+    with ServerThread(args) as server:
+        code = loadgen(["--server", server.target, "--http", f"127.0.0.1:{port}", "--rpc",
+                        "encode", "--concurrency", "1,2", "--requests", "6", "--duration",
+                        "600", "--texts-per-request", "2", "--warmup", "1", "--processes",
+                        "1", "--json"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert code == 0
+    assert [(r["transport"], r["concurrency"]) for r in rows] == [
+        ("grpc", 1), ("http", 1), ("grpc", 2), ("http", 2)]
+    assert all(r["requests"] == 6 and r["errors"] == 0 and r["texts"] == 12 for r in rows)
+    assert rows[0]["tokens"] == rows[1]["tokens"] > 12  # source tokens, eos included
+    assert loadgen(["--rpc", "encode", "--offline", str(out)]) == 2
+
+
 def test_tools_that_need_a_decoder_refuse_an_encoder(encoders, capsys):
     from tfserve.bench.step_profile import main as step_profile
 

@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tfserve.bench.common import cpu_seconds, percentile_ms, process_cpu_seconds
-from tfserve.client import pb2_grpc, translate_request
+from tfserve.client import encode_request, pb2_grpc, translate_request
 
 
 @dataclass
@@ -61,9 +61,36 @@ class _Plan:
     token: str | None
     timeout: float
     seed: int
-    rpc: str = "translate"  # or "health": Health.Check, the floor of any call
+    rpc: str = "translate"  # "encode", or "health": Health.Check, the floor of any call
     connections: int = 1  # TCP connections of this process; its clients take turns over them
     transport: str = "grpc"  # or "http": target is the HTTP API's HOST:PORT
+
+
+# the Translator method each --rpc calls (health: grpc.health.v1's Check)
+RPC_METHODS = {"translate": "Translate", "encode": "Encode"}
+
+
+def request_pool(plan: _Plan, rng: random.Random) -> list[Any]:
+    """256 requests of plan.texts_per_request random texts each, built up front so that the
+    timed loop costs only the call: TranslateRequests with plan.options, or EncodeRequests
+    (of plan.options, only the model)."""
+    pool = []
+    for _ in range(256):
+        texts = [rng.choice(plan.texts) for _ in range(plan.texts_per_request)]
+        pool.append(encode_request(texts, model=plan.options.get("model", ""))
+                    if plan.rpc == "encode" else translate_request(texts, **plan.options))
+    return pool
+
+
+def answer_counts(response: Any) -> tuple[int, int]:
+    """(texts, tokens) of an answer: a TranslateResponse's best hypotheses' tokens, an
+    EncodeResponse's embedded source tokens; (0, 0) for a health answer."""
+    translations = getattr(response, "translations", ())
+    if translations:
+        return len(translations), sum(len(t.hypotheses[0].token_ids) for t in translations
+                                      if t.hypotheses)
+    embeddings = getattr(response, "embeddings", ())
+    return len(embeddings), sum(len(e.token_ids) for e in embeddings)
 
 
 def _client_process(plan: _Plan, ready: Any, start: Any, results: Any) -> None:
@@ -81,10 +108,9 @@ def _client_process(plan: _Plan, ready: Any, start: Any, results: Any) -> None:
         senders = [health_pb2_grpc.HealthStub(channel).Check for channel in channels]
         pool = [health_pb2.HealthCheckRequest(service="")]
     else:
-        senders = [pb2_grpc.TranslatorStub(channel).Translate for channel in channels]
-        pool = [translate_request([rng.choice(plan.texts)
-                                   for _ in range(plan.texts_per_request)], **plan.options)
-                for _ in range(256)]
+        senders = [getattr(pb2_grpc.TranslatorStub(channel), RPC_METHODS[plan.rpc])
+                   for channel in channels]
+        pool = request_pool(plan, rng)
     latencies: list[float] = []
     errors: dict[str, int] = {}
     counts = {"texts": 0, "tokens": 0}
@@ -118,11 +144,10 @@ def _client_process(plan: _Plan, ready: Any, start: Any, results: Any) -> None:
                     errors[code] = errors.get(code, 0) + 1
                 continue
             elapsed = time.perf_counter() - sent
-            translations = getattr(response, "translations", ())  # none in a health answer
-            tokens = sum(len(t.hypotheses[0].token_ids) for t in translations if t.hypotheses)
+            texts, tokens = answer_counts(response)
             with lock:
                 latencies.append(elapsed)
-                counts["texts"] += len(translations)
+                counts["texts"] += texts
                 counts["tokens"] += tokens
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True)

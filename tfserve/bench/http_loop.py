@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 from google.protobuf import json_format
 
+from tfserve.bench.closed_loop import request_pool
 from tfserve.bench.common import cpu_seconds
-from tfserve.client import translate_request
 
 
 def http_client_process(plan: Any, ready: Any, start: Any, results: Any) -> None:
@@ -44,11 +44,10 @@ async def _clients(plan: Any, ready: Any, start: Any, results: Any) -> None:
     if plan.rpc == "health":
         method, path, pool = "GET", "/healthz", [b""]
     else:
-        method, path = "POST", "/v1/translate"
+        method, path = "POST", f"/v1/{plan.rpc}"  # /v1/translate or /v1/encode
         headers["Content-Type"] = "application/json"
-        pool = [json.dumps(json_format.MessageToDict(translate_request(
-            [rng.choice(plan.texts) for _ in range(plan.texts_per_request)],
-            **plan.options))).encode() for _ in range(256)]
+        pool = [json.dumps(json_format.MessageToDict(request)).encode()
+                for request in request_pool(plan, rng)]
     latencies: list[float] = []
     errors: dict[str, int] = {}
     counts = {"texts": 0, "tokens": 0}
@@ -90,10 +89,14 @@ async def _clients(plan: Any, ready: Any, start: Any, results: Any) -> None:
                     errors[code] = errors.get(code, 0) + 1
                     continue
                 latencies.append(time.perf_counter() - sent)
-                translations = answer.get("translations", ())  # none in a health answer
-                counts["texts"] += len(translations)
+                # a translation's best hypothesis' tokens, an embedding's source tokens;
+                # nothing in a health answer
+                translations = answer.get("translations", ())
+                embeddings = answer.get("embeddings", ())
+                counts["texts"] += len(translations) + len(embeddings)
                 counts["tokens"] += sum(len(t["hypotheses"][0].get("tokenIds", ()))
                                         for t in translations if t.get("hypotheses"))
+                counts["tokens"] += sum(len(e.get("tokenIds", ())) for e in embeddings)
 
         await asyncio.gather(*(client(i) for i in range(plan.clients)))
         seconds = time.perf_counter() - started

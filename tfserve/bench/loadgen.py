@@ -30,11 +30,14 @@ cheapest call the server answers, through the same gRPC stack, event loop and in
 Its latency and CPU time per request are the floor under any Translate figure on the same
 machine (what the transport, both Pythons and the cores' sharing cost with no model at all).
 
+With --rpc encode, the clients send Encode (sentence embeddings: an encoder-only model's
+only call); texts/s counts the embedded texts and tokens/s their source tokens.
+
 With --http HOST:PORT (the server's --http-port), every level also runs over the HTTP API
-(POST /v1/translate, or GET /healthz for --rpc health) with aiohttp clients: the same client
-count, texts, options and seeds, one connection per client (HTTP/1.1 carries one call at a
-time); the two transports' rows come side by side. --transports picks them (default: grpc,
-and http when --http is given).
+(POST /v1/translate, POST /v1/encode for --rpc encode, or GET /healthz for --rpc health)
+with aiohttp clients: the same client count, texts, options and seeds, one connection per
+client (HTTP/1.1 carries one call at a time); the two transports' rows come side by side.
+--transports picks them (default: grpc, and http when --http is given).
 
 With --model-name NAME, the requests name that model of a `--model-repository` server (the
 --offline figures are still those of DIR).
@@ -118,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated client counts, one run each")
     parser.add_argument("--requests", type=int, default=200, help="requests per level (max)")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per level (max)")
-    parser.add_argument("--rpc", choices=("translate", "health"), default="translate",
-                        help="health: Health.Check calls, the floor under Translate's figures")
+    parser.add_argument("--rpc", choices=("translate", "encode", "health"), default="translate",
+                        help="encode: Encode calls (sentence embeddings); health: "
+                             "Health.Check calls, the floor under Translate's figures")
     parser.add_argument("--texts-per-request", type=int, default=1)
     parser.add_argument("--texts-file", type=Path, default=None,
                         help="source texts, one per line (default: English number phrases)")
@@ -219,9 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("loadgen: error: --rounds needs --offline (each round is a served run between "
               "two offline runs)", file=sys.stderr)
         return 2
-    if args.rpc == "health" and (args.offline is not None or args.rounds):
-        print("loadgen: error: --rpc health measures the floor only; it takes no --offline "
-              "or --rounds", file=sys.stderr)
+    if args.rpc != "translate" and (args.offline is not None or args.rounds):
+        print(f"loadgen: error: --offline and --rounds compare translations; --rpc {args.rpc} "
+              "takes neither", file=sys.stderr)
         return 2
     transports = [t.strip() for t in (args.transports or (
         "grpc,http" if args.http else "grpc")).split(",") if t.strip()]
