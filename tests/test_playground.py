@@ -445,3 +445,44 @@ def test_a_repository_server_offers_a_choice_of_model(browser: Any, demo_model: 
             "tfserve_requests_total",
             {"model": "random", "rpc": "TranslateStream", "code": "OK"}) == 1
         assert page.text("#error") == ""
+
+
+def test_an_encoder_only_model_embeds(browser: Any, tmp_path: Path) -> None:
+    """A T5 encoder (ModelInfo.decoder_layers 0): the page offers Embed instead of the
+    decoding options, and shows each line's embedding as the gRPC Encode answers it, with its
+    size, tokens, norm and cosine to the first line."""
+    pytest.importorskip("transformers")
+    import t5_helpers as th
+
+    from export.cli import main as export_main
+
+    checkpoint, out = tmp_path / "hf", tmp_path / "encoder"
+    th.write_encoder_checkpoint(checkpoint, th.train_t5_spm(), d_model=36, d_kv=10, d_ff=52,
+                                num_layers=2, num_heads=3, relative_attention_num_buckets=12,
+                                relative_attention_max_distance=20,
+                                feed_forward_proj="gated-gelu")
+    assert export_main(["--from-hf", str(checkpoint), "--out", str(out), "--quiet"]) == 0
+    running = Served(out)
+    with running.thread:
+        page = Page(browser, running.url)
+        assert page.text("#translate") == "Embed"
+        assert page.text("#output-title") == "Embeddings"
+        assert not page.element("#decoding-options").is_displayed()
+        assert "Encoder: sentence embeddings" in page.text("#model-info")
+        texts = ["the cat sat on the mat", "one two three"]
+        page.translate(*texts)
+        page.wait_rows(2)
+        with running.client() as client:
+            answers = client.encode(texts)
+        for index, answer in enumerate(answers):
+            shown = page.translation(index)
+            assert shown.startswith("[") and shown.endswith(", …]"), shown
+            values = [float(v) for v in shown[1:-len(", …]")].split(", ")]
+            assert values == pytest.approx(answer.embedding[:6].tolist(), abs=6e-4)
+            meta = page.meta(index)
+            assert meta.startswith(f"{answer.embedding.size} values, "
+                                   f"{len(answer.token_ids)} tokens, norm "), meta
+        assert page.meta(0).endswith("cosine to line 1 1.000")
+        first, second = (answer.embedding.astype(float) for answer in answers)  # as JS
+        similarity = float(first @ second / ((first @ first) * (second @ second)) ** 0.5)
+        assert page.meta(1).endswith(f"cosine to line 1 {similarity:.3f}")
