@@ -1014,6 +1014,9 @@ def test_the_older_sentencepiece_file_name_is_read(checkpoints, tmp_path):
     directory = copy_checkpoint(checkpoints, tmp_path, "mbart50")
     (directory / "tokenizer.json").unlink()
     (directory / "sentencepiece.bpe.model").rename(directory / "sentence.bpe.model")
+    # beside it, a dangling link under the name transformers reads and a link loop
+    (directory / "sentencepiece.bpe.model").symlink_to(tmp_path / "gone.model")
+    (directory / "loop").symlink_to(directory / "loop")
     out = tmp_path / "out"
     assert export_main(["--from-hf", str(directory), "--out", str(out), "--quiet"]) == 0
     manifest = Manifest.load(out)

@@ -603,13 +603,14 @@ def test_model_info_of_a_model_not_loaded_loads_nothing(tmp_path: Path,
                                                           random_model: Path) -> None:
     """GetModelInfo (gRPC, and HTTP's GET /v1/models/{name}) of a model that is not loaded is
     read from its files: it loads nothing and so unloads nothing under --max-loaded-models;
-    once loaded, the same fields plus its providers. A model whose files cannot be read is
-    loaded instead, failing as a request to it fails."""
+    once loaded, the same fields plus its providers. A model whose model.json cannot be read
+    answers INTERNAL, loading nothing; one whose load failed is still described."""
     from google.protobuf import json_format
 
     repository = make_repository(tmp_path / "repo", alpha=random_model, beta=random_model,
-                                 broken=random_model)
+                                 broken=random_model, torn=random_model)
     (repository / "broken" / "model.json").write_text("{not json")
+    (repository / "torn" / "encoder.onnx").write_bytes(b"not a graph")  # readable manifest
     args = repository_args(repository, "--load", "lazy", "--max-loaded-models", "1")
     with ServerThread(args) as server, Client(server.target, timeout=60) as client:
         client.translate(["seven"], model="alpha", max_new_tokens=2)
@@ -617,7 +618,8 @@ def test_model_info_of_a_model_not_loaded_loads_nothing(tmp_path: Path,
         status, body = http(server, "GET", "/v1/models/beta")
         assert status == 200 and body == json_format.MessageToDict(described)
         assert [(e.name, e.state) for e in client.list_models()] == [
-            ("alpha", "loaded"), ("beta", "unloaded"), ("broken", "unloaded")]
+            ("alpha", "loaded"), ("beta", "unloaded"), ("broken", "unloaded"),
+            ("torn", "unloaded")]
         assert server.metrics.value("tfserve_model_loads_total",
                                     {"model": "beta", "outcome": "ok"}) == 0
         assert requests_total(server, "beta", rpc="GetModelInfo") == 2  # under its name
@@ -634,7 +636,15 @@ def test_model_info_of_a_model_not_loaded_loads_nothing(tmp_path: Path,
         assert raised.value.details().startswith("model 'broken' cannot be loaded: ")
         # nothing was loaded for it, so nothing was unloaded to make room
         assert [(e.name, e.state) for e in client.list_models()] == [
-            ("alpha", "unloaded"), ("beta", "loaded"), ("broken", "unloaded")]
+            ("alpha", "unloaded"), ("beta", "loaded"), ("broken", "unloaded"),
+            ("torn", "unloaded")]
+        # a model whose load failed is still described from its files (the next request
+        # tries the load again)
+        with pytest.raises(ServerError) as failed:
+            client.translate(["seven"], model="torn")
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        assert client.list_models()[3].state == "failed"
+        assert client.model_info(model="torn").model == "torn"
 
 
 def test_concurrent_first_requests_load_the_model_once(tmp_path: Path,

@@ -170,8 +170,11 @@ def test_translate_is_refused_naming_the_model_and_encode_goes_on(encoders):
         translator.translate(["the cat"])
     with pytest.raises(ValueError, match="encoder-only model"):
         Runtime(out, intra_op_threads=1).step(*[np.zeros((1, 1), np.int64)] * 4, [], [])
+    # a decoding default over the model's positions does not concern a model that does not
+    # decode: the server starts
     args = ["--model", str(out), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-            "--http-port", str(free_port()), "--threads", "1", "--log-level", "warning"]
+            "--http-port", str(free_port()), "--threads", "1", "--log-level", "warning",
+            "--default-max-new-tokens", "5000"]
     with ServerThread(args) as server, Client(server.target, timeout=60) as client:
         for call in (lambda: client.translate(["the cat"]),
                      lambda: list(client.translate_stream(["the cat"]))):
@@ -217,6 +220,7 @@ def test_loadgen_drives_encode_over_both_transports(encoders, capsys):
     assert all(r["requests"] == 6 and r["errors"] == 0 and r["texts"] == 12 for r in rows)
     assert rows[0]["tokens"] == rows[1]["tokens"] > 12  # source tokens, eos included
     assert loadgen(["--rpc", "encode", "--offline", str(out)]) == 2
+    assert loadgen(["--rpc", "encode", "--num-beams", "4"]) == 2  # a decoding option
 
 
 def test_tools_that_need_a_decoder_refuse_an_encoder(encoders, capsys):

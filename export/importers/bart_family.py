@@ -416,14 +416,12 @@ def build_tokenizer_json(directory: Path, what: str, vocab_size: Any) -> BuiltTo
                           "transformers), or save the tokenizer with transformers' "
                           "save_pretrained, which writes tokenizer.json") from exc
     with tempfile.TemporaryDirectory(prefix="tfserve-slow-tokenizer-") as temporary:
-        # the checkpoint's files by link, the SentencePiece model under the name read
         view = Path(temporary)
-        for path in directory.iterdir():
-            (view / path.name).symlink_to(path.resolve())
-        if not (view / SLOW_TOKENIZER_FILES[0]).exists() and \
-                (view / SLOW_TOKENIZER_FILES[1]).exists():
-            (view / SLOW_TOKENIZER_FILES[0]).symlink_to((directory /
-                                                        SLOW_TOKENIZER_FILES[1]).resolve())
+        try:
+            tokenizer_view(directory, view)
+        except (OSError, RuntimeError) as exc:  # RuntimeError: a symbolic link loop
+            raise SourceError(f"{directory} has no {TOKENIZER_JSON} and its tokenizer files "
+                              f"cannot be read to build one: {exc}") from exc
         try:
             loaded = transformers.AutoTokenizer.from_pretrained(str(view),
                                                                 local_files_only=True)
@@ -444,6 +442,24 @@ def build_tokenizer_json(directory: Path, what: str, vocab_size: Any) -> BuiltTo
                           "with transformers' save_pretrained, which writes tokenizer.json)")
     return BuiltTokenizer(backend.to_str(), f"built by transformers {transformers.__version__}"
                           f" ({type(loaded).__name__}) from {', '.join(present)}")
+
+
+# what transformers' AutoTokenizer reads from a checkpoint directory besides the slow files
+TOKENIZER_SETTINGS = ("config.json", TOKENIZER_CONFIG_FILE, "special_tokens_map.json",
+                      "added_tokens.json")
+
+
+def tokenizer_view(directory: Path, view: Path) -> None:
+    """Links in `view` to the files AutoTokenizer reads from `directory`, the SentencePiece
+    model under the name the families' tokenizers read (mBART-cc25's checkpoints call it
+    sentence.bpe.model)."""
+    for name in (*TOKENIZER_SETTINGS, *SLOW_TOKENIZER_FILES):
+        if (directory / name).is_file():
+            (view / name).symlink_to((directory / name).absolute())
+    read, older = SLOW_TOKENIZER_FILES[0], SLOW_TOKENIZER_FILES[1]
+    if not (view / read).is_file() and (view / older).is_file():
+        (view / read).unlink(missing_ok=True)
+        (view / read).symlink_to((directory / older).absolute())
 
 
 @contextmanager

@@ -223,6 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("loadgen: error: --rounds needs --offline (each round is a served run between "
               "two offline runs)", file=sys.stderr)
         return 2
+    if args.rpc != "translate" and (args.num_beams != 1 or args.max_new_tokens):
+        print(f"loadgen: error: --num-beams and --max-new-tokens are decoding options; --rpc "
+              f"{args.rpc} takes neither", file=sys.stderr)
+        return 2
     if args.rpc != "translate" and (args.offline is not None or args.rounds):
         print(f"loadgen: error: --offline and --rounds compare translations; --rpc {args.rpc} "
               "takes neither", file=sys.stderr)

@@ -108,16 +108,15 @@ class ServingCore:
     async def describe(self, name: str, call: Call) -> ModelInfo:
         """The ModelInfo of the model `name` names (empty: the default). A model that is not
         loaded is described from its files without loading it (no sessions, so nothing
-        else is unloaded under --max-loaded-models); one whose last load failed, or whose
-        files cannot be read, answers ModelLoadFailed with the reason, loading nothing."""
+        else is unloaded under --max-loaded-models; a model whose last load failed too: the
+        next request tries the load again); one whose files cannot be read answers
+        ModelLoadFailed with the reason, loading nothing."""
         slot = self.repository.slot(name)
         call.concerns(slot.name)
         if slot.model is not None:
             return self.model_info(await self.model(name, call))
         entry = slot.entry
         failed = f"model {slot.name!r} cannot be loaded: "
-        if slot.error and slot.failed_version == entry.version:
-            raise ModelLoadFailed(failed + slot.error)  # its last load's failure
         if entry.manifest_error:
             raise ModelLoadFailed(failed + entry.manifest_error)
         key = (entry.name, entry.version)
