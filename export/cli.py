@@ -264,11 +264,10 @@ def parity_summary(parity: dict[str, Any]) -> str:
     """One line of the parity report: the logits' (an encoder-only model: the hidden
     states' and embeddings') differences and the greedy agreement."""
     figures = parity.get("max_abs_diff", {})
-    tensor = "logits" if "max_logits" in figures else "encoder_hidden_states"
-    if tensor not in figures:
+    key = "max_logits" if "max_logits" in figures else "encoder_hidden_states"
+    if key not in figures:
         return str(parity.get("note", ""))
-    shown = "logits" if tensor == "logits" else "hidden states"
-    key = "max_logits" if tensor == "logits" else tensor
+    shown = "logits" if key == "max_logits" else "hidden states"
     summary = f"max |{shown} diff| {figures[key]:.2e}"
     if "max_rel_diff" in parity:
         summary += f" (relative {parity['max_rel_diff'][key]:.2e}"

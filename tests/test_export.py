@@ -327,6 +327,25 @@ def test_parity_failure_refuses_and_force_publishes(tmp_path: Path, monkeypatch)
     assert report["tolerance_ratio"] > 1e30  # anything but equality, and finite JSON
 
 
+def test_the_summary_line_reports_the_parity(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --quiet, the last line gives the logits' difference, its share of the
+    tolerance and the greedy agreement."""
+    from tfserve.demo import CHECKPOINT_DIR  # a checkpoint with sample sentences
+
+    out = tmp_path / "o"
+    assert export_main(["--checkpoint", str(CHECKPOINT_DIR), "--out", str(out),
+                        "--parity-samples", "8"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    report = json.loads((out / "model.json").read_text())["parity"]
+    assert last == (f"exported {out}: parity passed: max |logits diff| "
+                    f"{report['max_abs_diff']['max_logits']:.2e} (relative "
+                    f"{report['max_rel_diff']['max_logits']:.2e}, "
+                    f"{report['tolerance_ratio']:.2g} of the tolerance), greedy identical "
+                    f"{report['greedy']['identical']}/{report['greedy']['sentences']}")
+    assert report["greedy"]["sentences"] == 8
+
+
 def test_tolerance_scales_with_each_rows_logits() -> None:
     """|diff| <= atol + rtol * (largest |logit| of the row): a row of large logits allows a
     larger difference, on its small logits too; a row of small logits keeps atol."""
