@@ -10,12 +10,15 @@ Every axis is dynamic; the example inputs use sizes >= 2 so no axis is specialis
 
 from __future__ import annotations
 
+import functools
 import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -106,10 +109,43 @@ def fused_attention(model: Seq2SeqTransformer, enabled: bool) -> Iterator[None]:
 
 
 def fused_attention_for(float_dtype: torch.dtype) -> bool:
-    """Attention as com.microsoft.MultiHeadAttention nodes for fp32 graphs, whose kernel
-    ONNX Runtime has on CPU and CUDA; fp16 graphs keep standard ops, so they also run on CPU,
-    where that kernel is fp32 only."""
-    return float_dtype == torch.float32
+    """Attention as com.microsoft.MultiHeadAttention nodes: always in fp32 graphs, whose
+    kernel ONNX Runtime has on CPU and CUDA; in fp16 graphs where this ONNX Runtime's CPU
+    provider runs that kernel in fp16 too (the export's parity check runs on CPU), else
+    standard ops. On CUDA the fused fp16 graphs run fewer kernels per step than the
+    standard ones (docs/benchmarks.md)."""
+    return float_dtype == torch.float32 or cpu_runs_fp16_attention()
+
+
+@functools.cache
+def cpu_runs_fp16_attention() -> bool:
+    """Whether ONNX Runtime's CPU provider runs com.microsoft.MultiHeadAttention in fp16
+    as the graphs use it (with an additive bias and a past K/V): one node, run once."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    def value(name: str, shape: list[int]) -> Any:
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT16, shape)
+
+    # q, k, v [1,1,4] over 2 heads of 2; bias [1,1,1,2]; past K/V [1,2,1,2]
+    node = helper.make_node("MultiHeadAttention", ["q", "k", "v", "", "", "bias", "pk", "pv"],
+                            ["y", "key", "value"], domain="com.microsoft", num_heads=2)
+    inputs = [value(n, [1, 1, 4]) for n in "qkv"] + [value("bias", [1, 1, 1, 2]),
+                                                     value("pk", [1, 2, 1, 2]),
+                                                     value("pv", [1, 2, 1, 2])]
+    outputs = [value("y", [1, 1, 4]), value("key", [1, 2, 2, 2]), value("value", [1, 2, 2, 2])]
+    model = helper.make_model(helper.make_graph([node], "probe", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 17),
+                                             helper.make_opsetid("com.microsoft", 1)])
+    feeds = {info.name: np.ones([d.dim_value for d in info.type.tensor_type.shape.dim],
+                                np.float16) for info in inputs}
+    try:
+        session = ort.InferenceSession(model.SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
+        out = session.run(["y"], feeds)[0]
+    except Exception:  # onnxruntime's own classes: no such kernel in this build
+        return False
+    return bool(np.isfinite(out).all())
 
 
 def export_graphs(model: Seq2SeqTransformer, directory: Path, opset: int,

@@ -223,9 +223,20 @@ def test_fp16_export_parity_on_cpu() -> None:
     out = WORK / "fp16"
     assert export_main(["--checkpoint", str(checkpoint()), "--out", str(out), "--dtype",
                         "fp16", "--quiet", "--force", "--parity-samples", "0"]) == 0
-    report = json.loads((out / "model.json").read_text())["parity"]
+    manifest = json.loads((out / "model.json").read_text())
+    report = manifest["parity"]
     assert report["precision"] == "fp16" and report["passed"]
     print(f"fp16 max logits diff (ORT CPU vs eager fp32): {report['max_abs_diff']['max_logits']}")
+    # fused attention where this ONNX Runtime runs it in fp16 on CPU, where the check runs
+    import onnx
+
+    from export.graphs import cpu_runs_fp16_attention
+
+    fused = cpu_runs_fp16_attention()
+    assert manifest["provenance"]["attention"] == ("fused" if fused else "standard ops")
+    ops = {node.op_type for node in onnx.load(str(out / "decoder.onnx"),
+                                              load_external_data=False).graph.node}
+    assert ("MultiHeadAttention" in ops) is fused
     assert report["max_abs_diff"]["max_logits"] < 5e-2
     fp16 = Runtime(out)
     assert fp16.empty_past(1)[0].dtype == np.float16
