@@ -109,39 +109,20 @@ def fused_attention(model: Seq2SeqTransformer, enabled: bool) -> Iterator[None]:
 
 
 def fused_attention_for(float_dtype: torch.dtype) -> bool:
-    """Whether graphs of this float type trace attention as ONNX Runtime's fused op
-    (attention_plan)."""
-    return attention_plan(float_dtype)[0]
-
-
-def attention_plan(float_dtype: torch.dtype) -> tuple[bool, str]:
-    """(fused, device): whether the graphs trace attention as com.microsoft.MultiHeadAttention,
-    and where the export's parity check runs them.
-
-    fp32: fused, checked on CPU, which has the op's fp32 kernel. fp16: fused where a
-    provider of this ONNX Runtime runs the op in fp16, checked there: on CPU (1.32's CPU
-    provider does; onnxruntime-gpu 1.31.1's does not), else on CUDA when a device answers;
-    otherwise standard ops, checked on CPU. On CUDA the fused fp16 graphs run fewer kernels
-    per step than the standard ones (docs/benchmarks.md)."""
-    if float_dtype == torch.float32:
-        return True, "cpu"
-    for device in ("cpu", "cuda"):
-        if runs_fp16_attention(device):
-            return True, device
-    return False, "cpu"
+    """Attention as com.microsoft.MultiHeadAttention nodes: always in fp32 graphs, whose
+    kernel ONNX Runtime has on CPU and CUDA; in fp16 graphs where this ONNX Runtime's CPU
+    provider runs that kernel in fp16 too (the export's parity check runs on CPU), else
+    standard ops. On CUDA the fused fp16 graphs run fewer kernels per step than the
+    standard ones (docs/benchmarks.md)."""
+    return float_dtype == torch.float32 or cpu_runs_fp16_attention()
 
 
 @functools.cache
-def runs_fp16_attention(device: str) -> bool:
-    """Whether ONNX Runtime runs com.microsoft.MultiHeadAttention in fp16 on `device` ("cpu"
-    or "cuda") as the graphs use it (with an additive bias and a past K/V): one node, run
-    once."""
+def cpu_runs_fp16_attention() -> bool:
+    """Whether ONNX Runtime's CPU provider runs com.microsoft.MultiHeadAttention in fp16
+    as the graphs use it (with an additive bias and a past K/V): one node, run once."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
-
-    provider = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}[device]
-    if provider not in ort.get_available_providers():
-        return False
 
     def value(name: str, shape: list[int]) -> Any:
         return helper.make_tensor_value_info(name, TensorProto.FLOAT16, shape)
@@ -159,11 +140,10 @@ def runs_fp16_attention(device: str) -> bool:
     feeds = {info.name: np.ones([d.dim_value for d in info.type.tensor_type.shape.dim],
                                 np.float16) for info in inputs}
     try:
-        session = ort.InferenceSession(model.SerializeToString(), providers=[provider])
-        if session.get_providers()[0] != provider:  # fell back: no such device here
-            return False
+        session = ort.InferenceSession(model.SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
         out = session.run(["y"], feeds)[0]
-    except Exception:  # onnxruntime's own classes: no such kernel or device
+    except Exception:  # onnxruntime's own classes: no such kernel in this build
         return False
     return bool(np.isfinite(out).all())
 

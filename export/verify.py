@@ -234,20 +234,18 @@ def encoder_parity(model: Seq2SeqTransformer, runtime: Runtime,
 
 
 def verify(model: Seq2SeqTransformer, artifacts: Path, dtype: str, quantization: str | None,
-           sample_texts: Sequence[str] = (), random_sources: int = 16,
-           device: str = "cpu") -> dict[str, Any]:
-    """Parity report for artifacts in `artifacts` (loaded on `device`, CPU unless the graphs
-    need CUDA's kernels: export.graphs.attention_plan; full optimization).
+           sample_texts: Sequence[str] = (), random_sources: int = 16) -> dict[str, Any]:
+    """Parity report for artifacts in `artifacts` (loaded on CPU, full optimization).
 
     Keys: device, optimization, precision; max_abs_diff and max_rel_diff (per tensor, and
     max_logits over every logits tensor); max_abs_logits; with a logits tolerance for the
     precision, tolerance {atol, rtol, rule} and tolerance_ratio; greedy and
     greedy_random_sources; passed and failures.
     """
-    runtime = Runtime(artifacts, device=device, optimization="all")
+    runtime = Runtime(artifacts, device="cpu", optimization="all")
     precision = quantization or dtype
     tolerance = TOLERANCES.get(precision)
-    report: dict[str, Any] = {"device": device, "optimization": "all", "precision": precision}
+    report: dict[str, Any] = {"device": "cpu", "optimization": "all", "precision": precision}
     samples = [runtime.tokenizer.encode(t) for t in sample_texts]
     rng = np.random.default_rng(7)
     randoms = [rng.integers(3, model.config.vocab_size, size=int(n)).tolist()
