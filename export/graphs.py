@@ -112,8 +112,8 @@ def fused_attention_for(float_dtype: torch.dtype) -> bool:
     """Attention as com.microsoft.MultiHeadAttention nodes: always in fp32 graphs, whose
     kernel ONNX Runtime has on CPU and CUDA; in fp16 graphs where this ONNX Runtime's CPU
     provider runs that kernel in fp16 too (the export's parity check runs on CPU), else
-    standard ops. On CUDA the fused fp16 graphs run fewer kernels per step than the
-    standard ones (docs/benchmarks.md)."""
+    standard ops. On CUDA, standard-op attention takes more kernels per step than the fused
+    op."""
     return float_dtype == torch.float32 or cpu_runs_fp16_attention()
 
 
