@@ -634,9 +634,13 @@ def test_model_info_of_a_model_not_loaded_loads_nothing(tmp_path: Path,
             client.model_info(model="broken")
         assert raised.value.code() == grpc.StatusCode.INTERNAL
         assert raised.value.details().startswith("model 'broken' cannot be loaded: ")
-        # nothing was loaded for it, so nothing was unloaded to make room
+        # nothing was loaded for it, so nothing was unloaded to make room; nor for a
+        # request to it, which fails before making room
+        with pytest.raises(ServerError) as refused:
+            client.translate(["seven"], model="broken")
+        assert refused.value.details().startswith("model 'broken' cannot be loaded: ")
         assert [(e.name, e.state) for e in client.list_models()] == [
-            ("alpha", "unloaded"), ("beta", "loaded"), ("broken", "unloaded"),
+            ("alpha", "unloaded"), ("beta", "loaded"), ("broken", "failed"),
             ("torn", "unloaded")]
         # a model whose load failed is still described from its files (the next request
         # tries the load again)

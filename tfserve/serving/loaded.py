@@ -22,17 +22,29 @@ from tfserve.settings import ServerConfig
 Loader = Callable[[Entry], Any]  # an entry -> its runtime (Backend + tokenizer, config, ...)
 
 
-def runtime_loader(config: ServerConfig) -> Loader:
+class RuntimeLoader:
     """Loads an entry on ONNX Runtime with --device and --threads."""
 
-    def load(entry: Entry) -> Any:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+
+    def refusal(self, entry: Entry) -> str:
+        """Why `entry` cannot load, known before loading it ("" when it may): its model.json
+        cannot be read. The repository asks before making room for a load."""
+        return entry.manifest_error
+
+    def __call__(self, entry: Entry) -> Any:
         if entry.manifest_error:
             raise ValueError(entry.manifest_error)
         from tfserve.runtime import Runtime
 
-        return Runtime(entry.path, device=config.device, intra_op_threads=config.threads)
+        return Runtime(entry.path, device=self.config.device,
+                       intra_op_threads=self.config.threads)
 
-    return load
+
+def runtime_loader(config: ServerConfig) -> Loader:
+    """Loads an entry on ONNX Runtime with --device and --threads (RuntimeLoader)."""
+    return RuntimeLoader(config)
 
 
 class LoadedModel:

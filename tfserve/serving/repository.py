@@ -317,6 +317,12 @@ class ModelRepository:
         """Make room, load `entry` off the loop, install it in the slot (swapping out the
         version it replaces)."""
         try:
+            # a load known to fail (RuntimeLoader.refusal) fails before anything else is
+            # unloaded to make room for it
+            refusal = getattr(self.loader, "refusal", None)
+            reason = refusal(entry) if refusal is not None else ""
+            if reason:
+                raise self._load_failed(slot, entry, ValueError(reason))
             await self._make_room(slot, entry)
             started = time.perf_counter()
             try:
