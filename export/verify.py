@@ -258,15 +258,7 @@ def verify(model: Seq2SeqTransformer, artifacts: Path, dtype: str, quantization:
     report["greedy"] = greedy_agreement(model, runtime, samples, max_new)
     report["greedy_random_sources"] = greedy_agreement(model, runtime, randoms, max_new)
     report["greedy"]["max_new_tokens"] = max_new
-    failures = []
-    if tolerance is not None:
-        report["tolerance"] = tolerance.to_dict()
-        if report["tolerance_ratio"] > 1.0:
-            failures.append(
-                f"logits differ by up to {report['max_abs_diff']['max_logits']:.3g} "
-                f"(relative {report['max_rel_diff']['max_logits']:.3g}), "
-                f"{report['tolerance_ratio']:.3g} times the allowed {tolerance.atol:g} + "
-                f"{tolerance.rtol:g} * |eager logit|")
+    failures = tolerance_failures(report, tolerance, "max_logits", "logits", "logit")
     needed = MIN_GREEDY_AGREEMENT[precision]
     # reduced precision is judged on real sentences only: on random token soup a trained
     # model's outputs hinge on near-ties that int8 / fp16 rounding flips
@@ -279,20 +271,28 @@ def verify(model: Seq2SeqTransformer, artifacts: Path, dtype: str, quantization:
     return report
 
 
+def tolerance_failures(report: dict[str, Any], tolerance: Tolerance | None, key: str,
+                       what: str, unit: str) -> list[str]:
+    """Record the precision's tolerance in `report`; the failure when the report's
+    tolerance_ratio is over 1 (key: the compared tensor's entry in max_abs_diff and
+    max_rel_diff; what / unit: its name and one element's, for the message)."""
+    if tolerance is None:
+        return []
+    report["tolerance"] = tolerance.to_dict()
+    if report["tolerance_ratio"] <= 1.0:
+        return []
+    return [f"{what} differ by up to {report['max_abs_diff'][key]:.3g} (relative "
+            f"{report['max_rel_diff'][key]:.3g}), {report['tolerance_ratio']:.3g} times the "
+            f"allowed {tolerance.atol:g} + {tolerance.rtol:g} * |eager {unit}|"]
+
+
 def _encoder_only_verdict(report: dict[str, Any], parity: dict[str, Any],
                           tolerance: Tolerance | None, precision: str) -> dict[str, Any]:
     """verify()'s report for an encoder-only model: encoder_parity's figures, passed and
     failures."""
     report.update(parity)
-    failures = []
-    if tolerance is not None:
-        report["tolerance"] = tolerance.to_dict()
-        if parity["tolerance_ratio"] > 1.0:
-            failures.append(
-                f"encoder hidden states differ by up to "
-                f"{parity['max_abs_diff']['encoder_hidden_states']:.3g} "
-                f"({parity['tolerance_ratio']:.3g} times the allowed {tolerance.atol:g} + "
-                f"{tolerance.rtol:g} * |eager|)")
+    failures = tolerance_failures(report, tolerance, "encoder_hidden_states",
+                                  "encoder hidden states", "value")
     needed = MIN_EMBEDDING_COSINE[precision]
     if parity["embeddings"]["min_cosine"] < needed:
         failures.append(f"embedding cosine {parity['embeddings']['min_cosine']:.6f} < {needed}")

@@ -407,8 +407,9 @@ def load(directory: Path, config: dict[str, Any]) -> Source:
     state = read_weights(files)
     # T5EncoderModel / MT5EncoderModel checkpoints hold the encoder alone
     encoder_only = encoder_only_checkpoint(config)
-    stray = sorted(key for key in state if _strip(key).startswith("decoder."))
-    if encoder_only and stray:
+    stray = sorted(key for key in state if _strip(key).startswith("decoder.")) \
+        if encoder_only else []
+    if stray:
         raise SourceError(f"{directory / CONFIG_FILE}: {encoder_only} (an encoder-only "
                           f"checkpoint), but the weights hold decoder tensors ({stray[0]}, "
                           f"... {len(stray)} in all)")
