@@ -178,15 +178,31 @@ class Container:
         return [json.loads(line) for line in self.logs().splitlines() if line.startswith("{")]
 
     def wait_logged(self, event: str, count: int = 1, timeout: float = START_TIMEOUT_S) -> None:
-        """Poll the container's log until `count` records of `event` are there."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if sum(r.get("event") == event for r in self.records()) >= count:
-                return
-            if not self.state().get("Running", False):
-                break
-            time.sleep(0.5)
-        raise AssertionError(f"fewer than {count} {event!r} records:\n{self.logs()[-4000:]}")
+        """Follow the container's log (`logs --follow`) until `count` records of `event` have
+        been printed; the stream ends early when the container exits. `timeout` is a safety
+        net that stops following, not a synchronisation."""
+        follower = subprocess.Popen([self.engine, "logs", "--follow", self.name],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True)
+        safety = threading.Timer(timeout, follower.kill)
+        safety.start()
+        seen = 0
+        try:
+            assert follower.stdout is not None
+            for line in follower.stdout:
+                if not line.startswith("{"):
+                    continue
+                try:
+                    seen += json.loads(line).get("event") == event
+                except json.JSONDecodeError:
+                    continue
+                if seen >= count:
+                    return
+        finally:
+            safety.cancel()
+            follower.kill()
+            follower.wait()
+        raise AssertionError(f"{seen} {event!r} records, not {count}:\n{self.logs()[-4000:]}")
 
     def remove(self) -> None:
         stop_now = ["-t", "0"] if self.engine == "podman" else []
