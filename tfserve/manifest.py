@@ -36,8 +36,21 @@ GROUPED_CROSS_REVISION = 5  # the first revision whose decoder takes grouped cro
 MANIFEST_FILE = "model.json"
 
 
+# model.json's special_tokens section -> the model fields it repeats (for readers of the
+# manifest that do not parse the model config)
+SPECIAL_TOKENS = {"pad": "pad_token_id", "eos": "eos_token_id", "unk": "unk_token_id",
+                  "decoder_start": "decoder_start_token_id"}
+
+
 class ManifestError(ValueError):
     """An unreadable or inconsistent artifacts directory; the message names the file."""
+
+
+def inside(directory: Path, name: str) -> bool:
+    """Whether `directory / name`, links resolved, lies in `directory`: the files of an
+    artifacts directory, model.json included, are confined to it, so that a manifest or a
+    link in it cannot make the server read (and report on) files elsewhere."""
+    return (directory / name).resolve().is_relative_to(directory.resolve())
 
 
 def encoder_io(layers: int) -> tuple[list[str], list[str]]:
@@ -136,6 +149,9 @@ class Manifest:
         if not path.is_file():
             raise ManifestError(f"no {MANIFEST_FILE} in {directory}: export a model with "
                                 "`python -m export --out DIR` first")
+        if not inside(directory, MANIFEST_FILE):  # not read: a link to a file elsewhere
+            raise ManifestError(f"{path} leads outside {directory} (a symbolic link): the "
+                                "manifest must lie in its artifacts directory")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
@@ -176,13 +192,10 @@ class Manifest:
             raise ManifestError(f"{path}: dtype must be fp32 or fp16, got {manifest.dtype!r}")
         graph_files = (manifest.encoder_file, manifest.decoder_file, manifest.encoder_data,
                        manifest.decoder_data)
-        root = directory.resolve()
         for name in (*graph_files, *manifest.tokenizer.files()):
             if not name:
                 continue
-            # confined to the artifacts directory, links included: a manifest must not make
-            # the server read (and report on) files elsewhere
-            if not (directory / name).resolve().is_relative_to(root):
+            if not inside(directory, name):  # links included
                 raise ManifestError(f"{path} names {name!r}, which is outside {directory}")
             if not (directory / name).is_file():
                 raise ManifestError(f"{path} names {name}, which is missing from {directory}")
@@ -194,7 +207,29 @@ class Manifest:
             if isinstance(value, int) and not 0 <= value < vocab_size:
                 raise ManifestError(f"{path}: tokenizer.{field_name} is {value}, outside the "
                                     f"vocabulary [0, {vocab_size})")
+        _check_special_tokens(path, data, manifest.config)
         return manifest
+
+
+def _check_special_tokens(path: Path, data: dict[str, Any], config: ModelConfig) -> None:
+    """special_tokens (optional) repeats the model's ids: each one present must be an id of
+    the vocabulary and the model's own, or a reader of model.json would use another token
+    than the one served."""
+    special = data.get("special_tokens", {})
+    if not isinstance(special, dict):
+        raise ManifestError(f"{path}: special_tokens must be an object of token ids, got "
+                            f"{type(special).__name__}")
+    for key, field_name in SPECIAL_TOKENS.items():
+        if key not in special:
+            continue
+        value, served = special[key], getattr(config, field_name)
+        if isinstance(value, bool) or not isinstance(value, int) or not (
+                0 <= value < config.vocab_size):
+            raise ManifestError(f"{path}: special_tokens.{key} is {value!r}, outside the "
+                                f"vocabulary [0, {config.vocab_size})")
+        if value != served:
+            raise ManifestError(f"{path}: special_tokens.{key} is {value}, but "
+                                f"model.{field_name} is {served}")
 
 
 def _generation(data: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from tfserve.scheduler import Scheduler
 from tfserve.serving.calls import Call, Calls
 from tfserve.serving.loaded import LoadedModel
 from tfserve.serving.model_info import ModelInfo, model_info, unloaded_model_info
+from tfserve.serving.model_scan import Entry
 from tfserve.serving.repository import ModelRepository, ModelStatus
 from tfserve.serving.requests import Submitter
 from tfserve.serving.status import ModelLoadFailed
@@ -116,9 +117,8 @@ class ServingCore:
         if slot.model is not None:
             return self.model_info(await self.model(name, call))
         entry = slot.entry
-        failed = f"model {slot.name!r} cannot be loaded: "
         if entry.manifest_error:
-            raise ModelLoadFailed(failed + entry.manifest_error)
+            raise self._unreadable(entry, entry.manifest_error)
         key = (entry.name, entry.version)
         described = self._described.get(key)
         if described is None:
@@ -126,11 +126,18 @@ class ServingCore:
                 described = await asyncio.to_thread(
                     unloaded_model_info, entry.path, self.config, entry.name, entry.version)
             except (OSError, ValueError) as exc:  # ManifestError, TokenizerError
-                raise ModelLoadFailed(failed + str(exc)) from exc
+                raise self._unreadable(entry, str(exc)) from exc
             # one version per model: a replaced version's description goes
             self._described = {k: v for k, v in self._described.items() if k[0] != entry.name}
             self._described[key] = described
         return described
+
+    def _unreadable(self, entry: Entry, reason: str) -> ModelLoadFailed:
+        """A model described from its files that cannot be read: the log gets the full
+        reason, the client the repository's (paths relative to the repository)."""
+        log.warning("model %s: version %s cannot be described: %s", entry.name,
+                    entry.version, reason)
+        return self.repository.failure(entry, reason)
 
     def list_models(self) -> tuple[list[ModelStatus], str]:
         """Every model's status, and the default model's name ("" when there is none)."""

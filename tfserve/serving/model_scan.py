@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tfserve.manifest import MANIFEST_FILE, Manifest
+from tfserve.manifest import MANIFEST_FILE, Manifest, inside
 
 log = logging.getLogger("tfserve.server")
 
@@ -52,7 +52,11 @@ class Entry:
 def read_entry(name: str, path: Path) -> Entry:
     """The entry of the model in `path`; OSError when its files cannot be listed or read
     (being replaced: the caller keeps what it knew)."""
-    digest = hashlib.sha256((path / MANIFEST_FILE).read_bytes())
+    manifest = path / MANIFEST_FILE
+    # a model.json that leads outside the model's directory is not read (Manifest.load
+    # refuses it below); where it leads stands for its content in the version
+    digest = hashlib.sha256(manifest.read_bytes() if inside(path, MANIFEST_FILE)
+                            else str(manifest.resolve()).encode())
     total = 0
     with os.scandir(path) as items:
         files = sorted((item for item in items if item.is_file()), key=lambda item: item.name)
@@ -67,6 +71,43 @@ def read_entry(name: str, path: Path) -> Entry:
                      manifest_error=str(exc))  # it names the file
     return Entry(name, path, digest.hexdigest()[:VERSION_CHARS], total, config.name,
                  config.source_language, config.target_language)
+
+
+def relative_paths(text: str, entry: Entry, repository: Path | None) -> str:
+    """`text` (a reason why `entry` cannot load) with the server's paths made relative to the
+    model repository: the model's directory, as given, absolute or with its links resolved,
+    becomes the model's name (`demo/encoder.onnx`), the repository's own path (`--model
+    DIR`: the directory holding DIR) is dropped. What a client is told of a model's files,
+    without learning the server's file system."""
+    names: dict[str, str] = {}
+    for base, name in ((repository or entry.path.parent, ""), (entry.path, entry.name)):
+        for form in _path_forms(base):
+            names[form] = name
+    if not names:
+        return text
+    # the longest first, whole path components only: neither /repo/demo2 nor a/repo/demo
+    pattern = re.compile(r"(?<![\w.\-/])(?P<path>"
+                         + "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
+                         + r")(?P<slash>/)?(?(slash)|(?![\w.\-]))")
+
+    def shown(match: re.Match[str]) -> str:
+        name = names[match["path"]]
+        if match["slash"]:
+            return f"{name}/" if name else ""
+        return name or "."
+
+    return pattern.sub(shown, text)
+
+
+def _path_forms(path: Path) -> set[str]:
+    """How a message may spell `path`: as given, absolute, links resolved (never "." or
+    "/", which would match any text)."""
+    forms = {str(path), str(path.absolute())}
+    try:
+        forms.add(str(path.resolve()))
+    except (OSError, RuntimeError):  # a link loop: the other spellings stand
+        pass
+    return {form for form in forms if form not in ("", ".", "/")}
 
 
 def single_entry(path: Path, name: str = "") -> Entry:

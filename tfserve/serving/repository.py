@@ -49,7 +49,7 @@ from tfserve.serving.loaded import (
     runtime_entry,
     runtime_loader,
 )
-from tfserve.serving.model_scan import Entry, scan, single_entry
+from tfserve.serving.model_scan import Entry, relative_paths, scan, single_entry
 from tfserve.serving.requests import InvalidArgument, shown
 from tfserve.serving.status import ModelCapacity, ModelLoadFailed, ModelNotFound
 from tfserve.settings import ServerConfig
@@ -364,10 +364,10 @@ class ModelRepository:
         self._notify(slot)
 
     def _load_failed(self, slot: ModelSlot, entry: Entry, exc: BaseException) -> ModelLoadFailed:
-        """Record a failed load (logged, counted, shown by ListModels); the error requests
-        waiting for it get."""
+        """Record a failed load (logged with the full paths, counted, shown by ListModels);
+        the error requests waiting for it get."""
         reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
-        slot.error = reason
+        slot.error = self.shown_reason(entry, reason)
         slot.failed_version = entry.version
         self.metrics.model_loads.labels(entry.name, "failed").inc()
         serving = slot.model.version if slot.model is not None else ""
@@ -375,7 +375,19 @@ class ModelRepository:
                   reason, f"; version {serving} keeps serving" if serving else "")
         if not slot.loading:  # at start: no load task whose end notifies
             self._notify(slot)
-        return ModelLoadFailed(f"model {entry.name!r} cannot be loaded: {reason}")
+        return self.failure(entry, reason)
+
+    def shown_reason(self, entry: Entry, reason: str) -> str:
+        """Why `entry` cannot load, as clients are told: the server's paths in `reason` made
+        relative to the repository (`demo/encoder.onnx`, model_scan.relative_paths). Every
+        reason a loader or a model's files give goes through here on its way to an answer;
+        the server's log keeps it whole."""
+        return relative_paths(reason, entry, self.directory)
+
+    def failure(self, entry: Entry, reason: str) -> ModelLoadFailed:
+        """The error a request to `entry` gets when its files cannot be loaded or read."""
+        return ModelLoadFailed(f"model {entry.name!r} cannot be loaded: "
+                               f"{self.shown_reason(entry, reason)}")
 
     # -- limits and unloading ---------------------------------------------------------------
 
