@@ -39,6 +39,7 @@ from test_server import BAD_REQUESTS, past_every_deadline
 from tfserve.client import Client, encode_request, translate_request
 from tfserve.proto import translator_pb2 as pb2
 from tfserve.proto import translator_pb2_grpc as pb2_grpc
+from tfserve.serving.http_api import STATIC_ROUTE
 
 TEXTS = ["seven", "twenty-one", "three hundred and forty-two", "eight thousand and five"]
 JSON = ("Content-Type", "application/json")
@@ -560,7 +561,7 @@ def test_openapi_documents_every_route(server: ServerThread) -> None:
                   for method in item}
     app = server.server.http.app
     routes = {(route.method, route.resource.canonical) for route in app.router.routes()}
-    static = {(method, path) for method, path in routes if path in ("/", "/static")}
+    static = {(method, path) for method, path in routes if path in ("/", STATIC_ROUTE)}
     assert documented == routes - static
     assert ("POST", "/v1/translate:stream") in documented
     schemas = document["components"]["schemas"]

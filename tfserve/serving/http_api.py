@@ -52,7 +52,13 @@ from tfserve.serving.messages import (
     translate_input,
     translate_response,
 )
-from tfserve.serving.openapi import Operation, openapi_document
+from tfserve.serving.openapi import (
+    REQUEST_ID_SCHEMA,
+    Header,
+    Operation,
+    counting_pattern,
+    openapi_document,
+)
 from tfserve.serving.requests import shown
 from tfserve.serving.status import InvalidArgument, ModelNotFound, ResponseTooLarge, Status
 from tfserve.serving.stream import TokenStream
@@ -60,8 +66,17 @@ from tfserve.serving.stream import TokenStream
 log = logging.getLogger("tfserve.server")
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"  # the playground page
+STATIC_ROUTE = "/static/{name}"  # a file of STATIC_DIR (no listing, nothing below it)
 TIMEOUT_HEADER = "x-request-timeout-ms"  # the call's deadline, in milliseconds from arrival
 MAX_TIMEOUT_MS = 86_400_000  # one day
+# the headers every call takes, as /openapi.json describes them (the limits of their checks)
+CALL_HEADERS = (
+    Header(REQUEST_ID_KEY, REQUEST_ID_SCHEMA,
+           "the request's id, unless its body has requestId; echoed back"),
+    Header(TIMEOUT_HEADER, {"type": "string", "pattern": counting_pattern(MAX_TIMEOUT_MS)},
+           f"deadline in milliseconds, an integer in [1, {MAX_TIMEOUT_MS}]: "
+           "DEADLINE_EXCEEDED (504) once it passes"),
+)
 
 HTTP_STATUS: dict[Status, int] = {
     Status.OK: 200,
@@ -189,51 +204,57 @@ class Route:
 
 
 _CALL_ERRORS = (400, 401, 404, 429, 500, 503, 504)
+# the JSON answers of the probes (the handlers below write them)
+_LIVE = {"type": "object", "required": ["live"], "properties": {"live": {"type": "boolean"}}}
+_READY = {"type": "object", "required": ["ready"], "properties": {"ready": {"type": "boolean"}}}
+_MODEL_READY = {"type": "object", "required": ["name", "ready", "state"], "properties": {
+    "name": {"type": "string"}, "ready": {"type": "boolean"}, "state": {"type": "string"}}}
 ROUTES = (
     Route(Operation("POST", "/v1/translate", "Translate texts (or token ids)",
-                    "TranslateRequest", "TranslateResponse", errors=(*_CALL_ERRORS, 413)),
+                    "TranslateRequest", "TranslateResponse", errors=(*_CALL_ERRORS, 413),
+                    call=True),
           "translate"),
     Route(Operation("POST", "/v1/translate:stream",
                     "Translate, streaming each input's text as it is decided",
                     "TranslateRequest", "TranslateStreamResponse", content="text/event-stream",
-                    errors=(*_CALL_ERRORS, 413)),
+                    errors=(*_CALL_ERRORS, 413), call=True),
           "translate_stream"),
     Route(Operation("POST", "/v1/encode", "Sentence embeddings and per-token hidden states",
-                    "EncodeRequest", "EncodeResponse", errors=(*_CALL_ERRORS, 413)),
+                    "EncodeRequest", "EncodeResponse", errors=(*_CALL_ERRORS, 413), call=True),
           "encode"),
     Route(Operation("GET", "/v1/model", "The default model and the server's limits",
-                    response="ModelInfo", errors=(400, 401, 404, 429, 500, 503)),
+                    response="ModelInfo", errors=(400, 401, 404, 429, 500, 503), call=True),
           "model"),
     Route(Operation("GET", "/v1/models", "Every model of the repository and its state",
-                    response="ListModelsResponse", errors=(401, 503)),
+                    response="ListModelsResponse", errors=(401, 503), call=True),
           "models"),
     Route(Operation("GET", "/v1/models/{name}", "One model (described from its files, not "
                     "loaded, when it is not loaded) and the server's limits",
-                    response="ModelInfo", errors=(401, 404, 500, 503)),
+                    response="ModelInfo", errors=(401, 404, 500, 503), call=True),
           "named_model"),
     Route(Operation("GET", "/metrics", "Prometheus metrics of this server process",
                     content="text/plain", errors=(401,)),
           "metrics"),
     Route(Operation("GET", "/healthz", "Liveness: 200 while the process serves",
-                    content="application/json", secured=False), "live"),
+                    answer=_LIVE, secured=False), "live"),
     Route(Operation("GET", "/readyz", "Readiness: 200 when ready, 503 while starting or draining",
-                    content="application/json", secured=False, errors=(503,)), "ready"),
-    Route(Operation("GET", "/v2/health/live", "Liveness (KServe v2 name)",
-                    content="application/json", secured=False), "live"),
-    Route(Operation("GET", "/v2/health/ready", "Readiness (KServe v2 name)",
-                    content="application/json", secured=False, errors=(503,)), "ready"),
+                    answer=_READY, secured=False, errors=(503,)), "ready"),
+    Route(Operation("GET", "/v2/health/live", "Liveness (KServe v2 name)", answer=_LIVE,
+                    secured=False), "live"),
+    Route(Operation("GET", "/v2/health/ready", "Readiness (KServe v2 name)", answer=_READY,
+                    secured=False, errors=(503,)), "ready"),
     Route(Operation("GET", "/v2/models/{name}/ready",
                     "One model's readiness (KServe v2 name): 200 while the server is ready and "
                     "the model answers or can be loaded; 503 while starting or draining, or "
                     "after its last load failed; 404 for a model not served",
-                    content="application/json", secured=False, errors=(404, 503)),
+                    answer=_MODEL_READY, errors=(401, 404, 503)),
           "model_ready"),
-    Route(Operation("GET", "/openapi.json", "This document", content="application/json",
+    Route(Operation("GET", "/openapi.json", "This document", answer={"type": "object"},
                     errors=(401,)), "openapi"),
 )
 # served without the token: the probes, and the playground page with its files
 EXEMPT = frozenset({route.operation.path for route in ROUTES if not route.operation.secured}
-                   | {"/", "/static"})
+                   | {"/", STATIC_ROUTE})
 
 
 class HttpApi:
@@ -244,7 +265,7 @@ class HttpApi:
         self.core = core
         self.ready_reason = ready
         self.document = json.dumps(openapi_document(
-            (route.operation for route in ROUTES), bool(core.config.auth_token))).encode()
+            (route.operation for route in ROUTES), core.config, CALL_HEADERS)).encode()
 
     async def _call(self, request: web.Request, rpc: str, message_class: Any
                     ) -> tuple[HttpCall, Any, Exception | None]:
@@ -255,7 +276,8 @@ class HttpApi:
         if message_class is not None:
             try:
                 message = await read_message(request, message_class)
-            except (InvalidArgument, BodyTooLarge) as exc:
+            except Exception as exc:  # InvalidArgument, BodyTooLarge; anything else is the
+                # call's INTERNAL error, logged and counted like any failed call's
                 body_error = exc
         return HttpCall(self.core, rpc, request, message), message, body_error
 
@@ -402,6 +424,15 @@ class HttpApi:
                                   f"({page} is missing)", 404)
         return web.FileResponse(page, headers={"Content-Type": "text/html; charset=utf-8"})
 
+    async def static_file(self, request: web.Request) -> web.StreamResponse:
+        """A file of the playground's directory; anything else (a file it lacks, `..`, a
+        directory) is NOT_FOUND in the server's JSON, as an unknown route is."""
+        path = STATIC_DIR / request.match_info["name"]
+        if path.parent != STATIC_DIR or path.name.startswith(".") or not path.is_file():
+            return error_response(Status.NOT_FOUND.name,
+                                  f"{request.method} {request.path}: no such file", 404)
+        return web.FileResponse(path)
+
 
 # -- middlewares ----------------------------------------------------------------------------
 
@@ -475,6 +506,5 @@ def make_app(core: ServingCore, ready: Readiness) -> web.Application:
         app.router.add_route(route.operation.method, route.operation.path,
                              getattr(api, route.handler))
     app.router.add_route("GET", "/", api.index)
-    if STATIC_DIR.is_dir():
-        app.router.add_static("/static", STATIC_DIR)
+    app.router.add_route("GET", STATIC_ROUTE, api.static_file)
     return app

@@ -13,11 +13,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
 
 from tfserve.generation import Hypothesis
 from tfserve.proto import load as load_stubs
 from tfserve.serving.repository import ModelStatus
-from tfserve.serving.requests import EncodeInput, OptionFields, TranslateInput
+from tfserve.serving.requests import EncodeInput, OptionFields, TranslateInput, shown
 from tfserve.serving.status import InvalidArgument
 from tfserve.serving.stream import Chunk
 
@@ -139,22 +140,101 @@ def list_models_response(statuses: Sequence[ModelStatus], default_model: str) ->
 
 def from_json(body: bytes, message_class: Any) -> Any:
     """A request message from its JSON mapping (lowerCamelCase or proto field names), or
-    InvalidArgument saying what is wrong: not JSON, not an object, an unknown field, a value
-    of the wrong type (json_format names the field)."""
+    InvalidArgument saying what is wrong: not JSON, not an object, a key given twice, a
+    field name that is not text, an unknown field, a value of the wrong type (the message
+    names the field)."""
     name = message_class.DESCRIPTOR.name
     try:
-        document = json.loads(body)
+        document = json.loads(body, object_pairs_hook=_unique_keys)
+    except InvalidArgument:
+        raise
     except (ValueError, RecursionError) as exc:  # ValueError: bad JSON, bad UTF-8
         raise InvalidArgument(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(document, dict):
         raise InvalidArgument(f"the request body must be a JSON object (a {name}), "
-                              f"not {type(document).__name__}")
+                              f"not {_json_type(document)}")
     try:
+        _check_shape(document, message_class.DESCRIPTOR, "")
         return json_format.ParseDict(document, message_class())
     except (json_format.ParseError, RecursionError) as exc:
         # json_format's messages name the field (and may run over several lines)
         raise InvalidArgument(f"the request body is not a valid {name}: "
                               f"{' '.join(str(exc).split())}") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads' object_pairs_hook: an object, or InvalidArgument for a key given twice
+    (JSON parsers differ in which of the two they keep, so neither is taken)."""
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise InvalidArgument(f"the request body gives the key {shown(key)} more than "
+                                  "once")
+        document[key] = value
+    return document
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {str: "a string", list: "an array", dict: "an object"}[type(value)]
+
+
+_FLOATS = (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT)
+
+
+def _check_shape(document: dict[str, Any], descriptor: Any, path: str) -> None:
+    """What json_format lets through or fails on without naming the field: a field name that
+    is not text (an unpaired surrogate escape: json_format raises SystemError on it), one
+    field under both of its names, a message field given something other than an object
+    (json_format takes `"options": []` as empty options) and a boolean for a floating-point
+    field (json_format takes `false` as 0.0)."""
+    named: dict[str, str] = {}
+    for key, value in document.items():
+        if _unpaired_surrogate(key):
+            raise InvalidArgument(f"{path or 'the request body'}: the field name {shown(key)} "
+                                  "is not text (an unpaired surrogate)")
+        field = (descriptor.fields_by_camelcase_name.get(key)
+                 or descriptor.fields_by_name.get(key))
+        if field is None:
+            continue  # json_format names the unknown field
+        where = f"{path}.{key}" if path else key
+        if field.name in named:
+            raise InvalidArgument(f"{where}: the field is given twice (also as "
+                                  f"{shown(named[field.name])})")
+        named[field.name] = key
+        values = value if field.is_repeated and isinstance(value, list) else [value]
+        if field.type in _FLOATS and any(isinstance(item, bool) for item in values):
+            raise InvalidArgument(f"{where} must be a number, not a boolean")
+        if field.type != FieldDescriptor.TYPE_MESSAGE or value is None:
+            continue
+        if field.is_repeated:
+            if not isinstance(value, list):
+                continue  # json_format names the field
+            items = [(f"{where}[{index}]", item) for index, item in enumerate(value)]
+        else:
+            items = [(where, value)]
+        for place, item in items:
+            if item is None:
+                continue  # json_format names a null element of a repeated field
+            if not isinstance(item, dict):
+                raise InvalidArgument(f"{place} must be a JSON object (a "
+                                      f"{field.message_type.name}), not {_json_type(item)}")
+            _check_shape(item, field.message_type, place)
+
+
+def _unpaired_surrogate(text: str) -> bool:
+    """Whether `text` holds a lone UTF-16 surrogate (JSON's \\ud800 escape): not encodable."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def to_dict(message: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ too (`check_request_id`), and client strings in messages are cut by `shown`.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from tfserve.serving.calls import Call
 
 MAX_REQUEST_ID_CHARS = 128  # echoed in metadata and logs: short, printable ASCII only
+# the characters of a request id, as a regular expression (checks and the OpenAPI document)
+REQUEST_ID_PATTERN = "^[ -~]*$"
 INLINE_TOKENIZE_CHARS = 4096  # larger requests are tokenized on a thread, off the event loop
 
 
@@ -43,7 +46,7 @@ def check_request_id(value: str) -> str:
     if len(value) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument(f"request_id is {len(value)} characters, over the limit of "
                               f"{MAX_REQUEST_ID_CHARS}")
-    if not all(" " <= char <= "~" for char in value):
+    if not re.fullmatch(REQUEST_ID_PATTERN, value):
         raise InvalidArgument(f"request_id {shown(value)} must be printable ASCII "
                               "(no control characters, no non-ASCII)")
     return value
