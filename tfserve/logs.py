@@ -2,7 +2,9 @@
 
 Records carry their structured fields in `extra={"fields": {...}}` (the access log's
 request record, the lifecycle events `serving`, `draining`, `stopped`); both formatters
-write them out.
+write them out. In JSON every record is one line, an exception's traceback included (in the
+field `exception`); the warnings and errors other libraries log (asyncio's, grpc's) are
+written the same way.
 """
 
 from __future__ import annotations
@@ -50,3 +52,10 @@ def setup_logging(log_format: str, level: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+    # the records of other libraries that reach no handler (asyncio's transport errors,
+    # grpc's): in the same format, not logging's plain-text last resort, whose tracebacks
+    # span many lines (its level: warning, as the last resort's)
+    others = logging.StreamHandler(sys.stderr)
+    others.setFormatter(handler.formatter)
+    others.setLevel(logging.WARNING)
+    logging.lastResort = others

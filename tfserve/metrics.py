@@ -139,6 +139,17 @@ class Metrics:
         self.model_unloads = Counter("tfserve_model_unloads",
                                      "Model versions unloaded, by reason (lru, removed, "
                                      "replaced)", ["model", "reason"], registry=r)
+        # the HTTP port's connections (tfserve.serving.http_server) and refused bearer tokens
+        self.http_connections = Gauge("tfserve_http_connections",
+                                      "HTTP connections open (counted against "
+                                      "--http-max-connections)", registry=r)
+        self.http_dropped = Counter("tfserve_http_connections_dropped",
+                                    "HTTP connections the server closed, by reason (limit, "
+                                    "header_timeout, body_timeout)", ["reason"], registry=r)
+        self.auth_failures = Counter("tfserve_auth_failures",
+                                     "Calls refused for their bearer token, by transport (grpc, "
+                                     "http) and reason (missing, wrong, repeated)",
+                                     ["transport", "reason"], registry=r)
         self._http: Any = None
         self._http_thread: threading.Thread | None = None
 

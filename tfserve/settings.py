@@ -135,8 +135,11 @@ SERVER_SETTINGS: tuple[Setting, ...] = (
     Setting("tls_client_ca", Path, None, "PEM CA bundle: require and verify client "
             "certificates signed by it (mutual TLS; needs --tls-cert and --tls-key)"),
     Setting("auth_token", str, None, "require `authorization: Bearer TOKEN` (gRPC metadata, HTTP "
-            "header; health and the playground page are exempt); prefer the env var to keep it "
-            "out of `ps`", secret=True),
+            "header; health and the playground page are exempt); prefer --auth-token-file or the "
+            "env var to keep it out of `ps`", secret=True),
+    Setting("auth_token_file", Path, None, "read the bearer token of --auth-token from this file "
+            "(a mounted secret; surrounding whitespace and the final newline are dropped), read "
+            "once at start; exclusive with --auth-token"),
     Setting("metrics_host", str, "", "address the metrics endpoint listens on (empty: --host), "
             "e.g. 127.0.0.1 to keep metrics private while gRPC listens outside"),
     Setting("max_concurrent_streams", int, 100, "concurrent calls per client connection "
@@ -146,6 +149,16 @@ SERVER_SETTINGS: tuple[Setting, ...] = (
     Setting("max_connection_age_seconds", float, 0.0, "close each client connection after this "
             "long (clients reconnect and spread again over --workers and replicas; calls in "
             "flight get --grace-seconds); 0: never", (0, 86_400)),
+    Setting("http_max_connections", int, 1000, "HTTP connections open at once; a connection "
+            "over it is closed as soon as it is accepted (with TLS: once its handshake is done)",
+            (1, 1_000_000)),
+    Setting("http_header_timeout_seconds", float, 30.0, "an HTTP request's line and headers must "
+            "arrive within this long of its first byte (with TLS, the handshake too), else the "
+            "connection is closed", (0.01, 3600)),
+    Setting("http_body_timeout_seconds", float, 60.0, "an HTTP request's body must arrive in full "
+            "within this long of its headers, else the connection is closed", (0.01, 3600)),
+    Setting("http_keepalive_timeout_seconds", float, 75.0, "an HTTP connection idle this long "
+            "(no request since it opened or since its last answer) is closed", (0.01, 86_400)),
     Setting("otel_endpoint", str, None, "OTLP endpoint to send OpenTelemetry traces to, e.g. "
             "http://collector:4317 (needs tfserve[otel]; docs/server.md, Tracing)",
             unset="the standard OTEL_EXPORTER_OTLP_ENDPOINT; tracing is off without either"),
@@ -192,7 +205,7 @@ class ServerConfig:
 
     def validate(self) -> ServerConfig:
         """Every value in its range, TLS files readable, choices known; else a ValueError
-        naming the flag."""
+        naming the flag. --auth-token-file is read here, into auth_token."""
         for name, (low, high) in _LIMITS.items():
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value)
@@ -226,6 +239,12 @@ class ServerConfig:
             path = getattr(self, name)
             if path is not None:
                 _check_pem(f"--{_flag(name)}", Path(path))
+        if self.auth_token_file is not None:
+            if self.auth_token is not None:
+                raise ValueError("--auth-token and --auth-token-file are mutually exclusive: "
+                                 "give one")
+            # the token itself from here on; the file is not read again (a second validate())
+            self.auth_token, self.auth_token_file = _read_token(Path(self.auth_token_file)), None
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"--event-loop must be one of {', '.join(EVENT_LOOPS)}, "
                              f"got {self.event_loop!r}")
@@ -246,6 +265,22 @@ def _check_pem(flag: str, path: Path) -> None:
         raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
     if b"-----BEGIN " not in head:
         raise ValueError(f"{flag} {path}: not a PEM file (no -----BEGIN line)")
+
+
+def _read_token(path: Path) -> str:
+    """The bearer token in `path` without surrounding whitespace, or ValueError naming
+    --auth-token-file (and never the token: the message goes to stderr and logs)."""
+    try:
+        token = path.read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"--auth-token-file {path}: cannot read it ({exc.strerror})") from None
+    if not token:
+        raise ValueError(f"--auth-token-file {path}: the file is empty")
+    # what a client can send after `Bearer ` in one header or metadata value
+    if any(byte < 0x21 or byte > 0x7E for byte in token):
+        raise ValueError(f"--auth-token-file {path}: the token must be one line of printable "
+                         "ASCII without spaces")
+    return token.decode("ascii")
 
 
 def _flag(name: str) -> str:

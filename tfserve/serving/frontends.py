@@ -17,12 +17,50 @@ import os
 from typing import Any
 
 from tfserve.metrics import Metrics
+from tfserve.serving.auth import BearerAuth
 from tfserve.serving.core import ServingCore
 from tfserve.serving.grpc_server import GrpcServer
 from tfserve.serving.http_server import HttpServer
 from tfserve.settings import ServerConfig
 
 log = logging.getLogger("tfserve.server")
+# file descriptors a server needs besides its clients' connections: listening sockets, the
+# event loop's and gRPC's own, model files, the metrics port's connections, logs
+RESERVED_FILES = 256
+
+
+def open_files_for(config: ServerConfig) -> None:
+    """Raise this process's soft limit on open files (`ulimit -n`) to what the connection
+    limits need, as far as the hard limit allows; warn when it cannot.
+
+    Every connection a client holds is a file descriptor. At the common soft limit of 1024,
+    --max-connections and --http-max-connections (1000 each by default) are out of reach: the
+    process runs out of descriptors first, and then every port fails at once (accept errors,
+    gRPC calls stalling, the metrics port silent) instead of the limit refusing the
+    connections over it.
+    """
+    try:
+        import resource
+    except ImportError:  # not POSIX: the platform's own limits apply
+        return
+    needed = (config.max_connections + (config.http_max_connections if config.http_port else 0)
+              + RESERVED_FILES)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if raised > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (ValueError, OSError):
+            pass
+    if soft < needed:
+        log.warning("the open-file limit is under what the connection limits need: connections "
+                    "past it fail on every port; raise `ulimit -n` or lower the limits",
+                    extra={"fields": {"event": "open_files", "limit": soft, "needed": needed,
+                                      "max_connections": config.max_connections,
+                                      "http_max_connections": config.http_max_connections}})
 
 
 class TranslatorServer:
@@ -42,9 +80,14 @@ class TranslatorServer:
         self.worker = worker
         self.metrics = self.core.metrics
         self.repository = self.core.repository
-        self.grpc = GrpcServer(self.core, shared_port=worker is not None)
+        # one check of the bearer token for both transports: one count of the calls it
+        # refuses, one rate of warnings about them
+        self.auth = (BearerAuth(self.config.auth_token, self.metrics)
+                     if self.config.auth_token else None)
+        self.grpc = GrpcServer(self.core, shared_port=worker is not None, auth=self.auth)
         self.health = self.grpc.health
-        self.http = (HttpServer(self.core, self.not_ready, shared_port=worker is not None)
+        self.http = (HttpServer(self.core, self.not_ready, shared_port=worker is not None,
+                                auth=self.auth)
                      if self.config.http_port else None)
         self.serving = False  # set once every listener serves; /readyz is 200 from then on
 
@@ -91,6 +134,7 @@ class TranslatorServer:
 
     async def start(self) -> None:
         config = self.config
+        open_files_for(config)
         self.core.serve_metrics()
         try:
             if self.http is not None:

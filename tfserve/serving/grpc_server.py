@@ -15,7 +15,6 @@ front end, around one ServingCore.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -24,6 +23,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tfserve.serving.auth import REPEATED, BearerAuth
+from tfserve.serving.calls import REQUEST_ID_KEY
 from tfserve.serving.core import ServingCore
 from tfserve.serving.grpc_api import SERVICE_NAME, TranslatorService, add_translator_service
 from tfserve.settings import ServerConfig
@@ -34,33 +35,35 @@ MODEL_HEALTH_PREFIX = f"{SERVICE_NAME}/"  # + a model's name: that model's healt
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED unless `authorization: Bearer <token>` matches; health is exempt."""
+    """UNAUTHENTICATED unless `authorization: Bearer <token>` matches; health is exempt. A
+    refused call is counted, logged and warned about by `auth` (tfserve.serving.auth)."""
 
     EXEMPT_PREFIX = "/grpc.health.v1.Health/"
 
-    def __init__(self, token: str) -> None:
-        self.expected = f"Bearer {token}".encode()
+    def __init__(self, auth: BearerAuth) -> None:
+        self.auth = auth
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Any:
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(self.EXEMPT_PREFIX):
+        method = handler_call_details.method
+        if handler is None or method.startswith(self.EXEMPT_PREFIX):
             return handler
-        given = [value for key, value in handler_call_details.invocation_metadata or ()
-                 if key == "authorization"]
-        if len(given) == 1:
-            value = given[0]
-            given_bytes = value.encode() if isinstance(value, str) else bytes(value)
-            if hmac.compare_digest(given_bytes, self.expected):
-                return handler
-        # more than one header is refused whatever they hold: which one a proxy or a
-        # framework reads is not ours to guess
-        reason = ("more than one `authorization` metadata entry" if len(given) > 1
+        metadata = handler_call_details.invocation_metadata or ()
+        refusal = self.auth.check([value for key, value in metadata if key == "authorization"])
+        if not refusal:
+            return handler
+        reason = ("more than one `authorization` metadata entry" if refusal == REPEATED
                   else "missing or wrong bearer token in `authorization` metadata")
+        given_id = next((value for key, value in metadata
+                         if key == REQUEST_ID_KEY and isinstance(value, str)), "")
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+            # here, not in the interceptor: only the call's context knows its peer
+            self.auth.refused("grpc", refusal, method.rsplit("/", 1)[-1], context.peer(),
+                              given_id)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
         async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -131,10 +134,12 @@ class GrpcServer:
     `shared_port`: one of --workers processes, which share the port (tfserve.workers).
     """
 
-    def __init__(self, core: ServingCore, shared_port: bool = False) -> None:
+    def __init__(self, core: ServingCore, shared_port: bool = False,
+                 auth: BearerAuth | None = None) -> None:
         self.core = core
         self.config = core.config
         self.shared_port = shared_port
+        self.auth = auth  # the token's check, shared with HTTP (None: built from the config)
         self.health = health.aio.HealthServicer()
         self.port = 0
         self._server: grpc.aio.Server | None = None
@@ -142,7 +147,9 @@ class GrpcServer:
     def bind(self) -> None:
         """Build the server and listen; RuntimeError naming --port when the port is busy."""
         config = self.config
-        interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+        auth = self.auth or (BearerAuth(config.auth_token, self.core.metrics)
+                             if config.auth_token else None)
+        interceptors = [BearerTokenInterceptor(auth)] if auth is not None else []
         server = grpc.aio.server(options=server_options(config, self.shared_port),
                                  interceptors=interceptors)
         add_translator_service(TranslatorService(self.core), server)

@@ -27,7 +27,6 @@ A failure is `{"error": {"code": <Status name>, "message": ...}}` with the HTTP 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -39,6 +38,7 @@ from aiohttp import web
 from multidict import CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from tfserve.serving.auth import REPEATED, BearerAuth
 from tfserve.serving.calls import CALL_ENDED, REQUEST_ID_KEY, Call
 from tfserve.serving.core import ServingCore
 from tfserve.serving.messages import (
@@ -361,18 +361,26 @@ class HttpApi:
                 response = await self._start_events(request, call)
             await response.write(b"event: done\ndata: {}\n\n")
             await response.write_eof()
-        except ConnectionError as exc:  # the client went away while we wrote
+        except ConnectionError:
+            # the client went away while we wrote, before aiohttp cancelled this handler: a
+            # cancelled call (one access record, CANCELLED), not an error of the server's.
+            # Returned, not raised: aiohttp logs an exception a handler raises as an error
+            # with its traceback, and a response it cannot send as a client that left
             call.failed(asyncio.CancelledError())
-            raise exc
+            return response if response is not None else web.Response(
+                status=HTTP_STATUS[Status.CANCELLED])
         except BaseException as exc:
             if response is None:
                 return call.error(exc)
             status, details = call.failed(exc)
             if isinstance(exc, CALL_ENDED):
                 raise
-            await response.write(b"event: error\ndata: " + error_json(status.name, details)
-                                 + b"\n\n")
-            await response.write_eof()
+            try:
+                await response.write(b"event: error\ndata: " + error_json(status.name, details)
+                                     + b"\n\n")
+                await response.write_eof()
+            except ConnectionError:  # the client left too: the failure is recorded already
+                pass
             return response
         call.finish(Status.OK)
         return response
@@ -462,15 +470,19 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
             exc.status, Status.INVALID_ARGUMENT)
         return error_response(code.name, message, exc.status,
                               {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None)
+    except ConnectionError:
+        raise  # the client left: nobody to answer, and no error of the server's (aiohttp
+        # drops the connection; tfserve.serving.http_server logs it at debug level only)
     except Exception:
         log.exception("HTTP %s %s failed", request.method, request.path)
         return error_response(Status.INTERNAL.name, "internal error", 500)
 
 
-def bearer_token(token: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def bearer_token(auth: BearerAuth) -> Callable[[web.Request, Handler],
+                                                Awaitable[web.StreamResponse]]:
     """UNAUTHENTICATED (401) unless exactly one `Authorization: Bearer <token>` header
-    matches; the probes and the playground page are exempt, and an unknown route stays 404."""
-    expected = f"Bearer {token}".encode()
+    matches; the probes and the playground page are exempt, and an unknown route stays 404.
+    A refused call is counted, logged and warned about by `auth` (tfserve.serving.auth)."""
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -478,13 +490,12 @@ def bearer_token(token: str) -> Callable[[web.Request, Handler], Awaitable[web.S
         if match.http_exception is not None or match.route.resource is None or (
                 match.route.resource.canonical in EXEMPT):
             return await handler(request)
-        given = request.headers.getall("Authorization", [])
-        if len(given) == 1 and hmac.compare_digest(
-                given[0].encode("utf-8", "surrogateescape"), expected):
+        refusal = auth.check(request.headers.getall("Authorization", []))
+        if not refusal:
             return await handler(request)
-        # more than one header is refused whatever they hold: which one a proxy or a
-        # framework reads is not ours to guess
-        reason = ("more than one Authorization header" if len(given) > 1
+        auth.refused("http", refusal, f"{request.method} {match.route.resource.canonical}",
+                     peer_name(request), request.headers.get(REQUEST_ID_KEY, ""))
+        reason = ("more than one Authorization header" if refusal == REPEATED
                   else "missing or wrong bearer token in the Authorization header")
         return error_response(Status.UNAUTHENTICATED.name, reason, 401,
                               {"WWW-Authenticate": "Bearer"})
@@ -492,12 +503,15 @@ def bearer_token(token: str) -> Callable[[web.Request, Handler], Awaitable[web.S
     return check
 
 
-def make_app(core: ServingCore, ready: Readiness) -> web.Application:
+def make_app(core: ServingCore, ready: Readiness,
+             auth: BearerAuth | None = None) -> web.Application:
     """The aiohttp application of ROUTES over `core`: bodies up to --max-message-bytes, the
-    bearer token when --auth-token is set, JSON errors."""
+    bearer token when --auth-token is set (checked by `auth`, shared with gRPC; None: one
+    of its own), JSON errors."""
     middlewares: list[Any] = [json_errors]
     if core.config.auth_token:
-        middlewares.append(bearer_token(core.config.auth_token))
+        middlewares.append(bearer_token(auth or BearerAuth(core.config.auth_token,
+                                                           core.metrics)))
     app = web.Application(client_max_size=core.config.max_message_bytes,
                           middlewares=middlewares)
     app[MAX_BODY] = core.config.max_message_bytes

@@ -1,25 +1,53 @@
 """The HTTP listener around the HTTP API (tfserve.serving.http_api): an aiohttp runner on the
 server's own event loop (asyncio or uvloop, the one gRPC runs on), TLS from the same
-certificate, key and client CA as gRPC, and its start / stop steps.
+certificate, key and client CA as gRPC, the connections' limit and timeouts, and its start /
+stop steps.
 
 The handlers are cancelled when their client disconnects (aiohttp's handler_cancellation),
 which cancels the call's work as a cancelled gRPC call does: its rows leave the batch before
 the next decoder step.
+
+What a connection may hold (docs/server.md, HTTP API):
+
+    --http-max-connections            open at once; one more is closed as soon as it is accepted
+    --http-header-timeout-seconds     from a request's first byte to the end of its headers
+                                      (and, with TLS, the handshake)
+    --http-body-timeout-seconds       from a request's headers to the end of its body
+    --http-keepalive-timeout-seconds  idle, before its first request or after an answer
+                                      (aiohttp's keepalive_timeout)
+
+The first three are `Connections`, an asyncio protocol wrapped around aiohttp's: aiohttp has
+no limit on connections and no timeout on a request's headers or body, and asyncio's server
+accepts every connection. The wrapper is the one place that sees each connection open and
+close and each byte arrive, through asyncio's public protocol interface, without reaching into
+aiohttp's request handler; a middleware (`request_phases`) tells it when a request's headers
+are in (its handler starts) and when its handler is done. A connection closed for one of
+them is counted in tfserve_http_connections_dropped_total{reason}.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import re
 import ssl
+import sys
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
+from tfserve.metrics import Metrics
+from tfserve.serving.auth import BearerAuth
 from tfserve.serving.core import ServingCore
-from tfserve.serving.http_api import Readiness, make_app
+from tfserve.serving.http_api import Handler, Readiness, make_app
 from tfserve.settings import ServerConfig
 
 log = logging.getLogger("tfserve.server")
+http_log = logging.getLogger("tfserve.http")  # what aiohttp's request handlers log
+BACKLOG = 128  # connections the kernel queues before they are accepted (aiohttp's default)
 
 
 def ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
@@ -43,20 +71,191 @@ def ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
     return context
 
 
+def malformed_reason(exc: HttpProcessingError) -> str:
+    """What is wrong with a malformed request, without any of its bytes: the first line of
+    aiohttp's message, up to where it starts quoting the request (the offending line follows:
+    a header with its value, a bearer token maybe)."""
+    first = str(exc.message or "").split("\n", 1)[0]
+    return re.split(r"""\s*(?:b?['"]|:)""", first, maxsplit=1)[0].strip()[:120] or (
+        type(exc).__name__)
+
+
+class ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """The logger of aiohttp's request handlers (RequestHandler's `logger`), on tfserve.http.
+
+    A malformed request (aiohttp's parser refused it, answering 400) is one line without its
+    bytes, not aiohttp's error record whose traceback quotes the offending line, header value
+    included; a client that left is not an error (debug, without a traceback). Anything else
+    passes on as aiohttp wrote it (a JSON log folds a traceback into the record's line).
+    """
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        exc_info = kwargs.get("exc_info")
+        if exc_info is True:
+            exc_info = sys.exc_info()
+        exc = exc_info[1] if isinstance(exc_info, tuple) else exc_info
+        if isinstance(exc, HttpProcessingError):
+            # aiohttp logs one kind (an unknown method on a new connection: a port scan, TLS
+            # sent to a plain port) at debug level to keep it out of the logs: kept there
+            remote = args[0] if args and isinstance(args[0], str) else ""
+            self.logger.log(min(level, logging.INFO), "malformed HTTP request", extra={
+                "fields": {"event": "bad_http_request", "remote": remote,
+                           "http_status": exc.code or 400, "error": type(exc).__name__,
+                           "reason": malformed_reason(exc)}})
+        elif isinstance(exc, ConnectionError):
+            self.logger.debug("HTTP client left: %s", type(exc).__name__)
+        else:
+            self.logger.log(level, msg, *args, **kwargs)
+
+
+class Connections:
+    """asyncio's protocol factory for the HTTP port: each connection a `Connection` around one
+    of aiohttp's request handlers (`handlers`: aiohttp's web.Server, itself a protocol
+    factory), at most `limit` open at once, with the header and body timeouts of the module's
+    docstring."""
+
+    def __init__(self, handlers: Callable[[], asyncio.Protocol], limit: int,
+                 header_timeout: float, body_timeout: float, metrics: Metrics) -> None:
+        self.handlers = handlers
+        self.limit = limit
+        self.header_timeout = header_timeout
+        self.body_timeout = body_timeout
+        self.metrics = metrics
+        self.loop = asyncio.get_running_loop()
+        self.open = 0  # connections served now: counted once made (with TLS, after handshake)
+
+    def __call__(self) -> Connection:
+        return Connection(self)
+
+    def dropped(self, reason: str) -> None:
+        self.metrics.http_dropped.labels(reason).inc()
+
+
+class Connection(asyncio.Protocol):
+    """One accepted connection: closed at once over the limit, else served by aiohttp's request
+    handler behind it (every protocol call passed on), with its requests' deadlines."""
+
+    def __init__(self, connections: Connections) -> None:
+        self.connections = connections
+        self.handler: asyncio.Protocol | None = None  # None: refused, or closed
+        self.transport: asyncio.BaseTransport | None = None
+        self.busy = False  # a request's handler runs: its headers are in
+        self._deadline: asyncio.TimerHandle | None = None  # the header's or the body's
+        # the body of the last request, while its handler left some of it to come: the bytes
+        # that follow are that body (aiohttp reads and drops it), not a new request
+        self._unread: Any = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        connections = self.connections
+        if connections.open >= connections.limit:
+            connections.dropped("limit")
+            transport.abort()  # no TLS close handshake: the socket is released at once
+            return
+        connections.open += 1
+        connections.metrics.http_connections.inc()
+        self.transport = transport
+        self.handler = connections.handlers()
+        self.handler.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.handler is None:
+            return
+        # the first byte of a request: its headers must be in by the deadline (bytes that come
+        # later do not move it: a client trickling its headers is closed all the same)
+        if self._unread is not None and self._unread.is_eof():
+            self._unread = None
+        if data and not self.busy and self._deadline is None and self._unread is None:
+            self._deadline = self.connections.loop.call_later(
+                self.connections.header_timeout, self._expired, "header_timeout", None)
+        self.handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.handler.eof_received() if self.handler is not None else None
+
+    def pause_writing(self) -> None:
+        if self.handler is not None:
+            self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.handler is not None:
+            self.handler.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_deadline()
+        if self.handler is not None:
+            handler, self.handler, self.transport = self.handler, None, None
+            self.connections.open -= 1
+            self.connections.metrics.http_connections.dec()
+            handler.connection_lost(exc)
+
+    def request_started(self, request: web.BaseRequest) -> None:
+        """A request's headers are in and its handler starts: its body, if it has one not
+        received yet, must be in by the body deadline."""
+        self.busy = True
+        self._cancel_deadline()
+        if request.body_exists and not request.content.is_eof():
+            self._deadline = self.connections.loop.call_later(
+                self.connections.body_timeout, self._expired, "body_timeout", request.content)
+
+    def request_ended(self, request: web.BaseRequest) -> None:
+        """The request's handler is done; the next byte after its body starts the next
+        request."""
+        self.busy = False
+        self._cancel_deadline()
+        if request.body_exists and not request.content.is_eof():
+            self._unread = request.content
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self, reason: str, body: Any) -> None:
+        """A deadline passed: close the connection, unless the body it waited for is in (the
+        handler may stream its answer for longer)."""
+        self._deadline = None
+        if self.transport is None or (body is not None and body.is_eof()):
+            return
+        self.connections.dropped(reason)
+        # aiohttp's handler sees the connection lost: a handler still reading the body is
+        # cancelled, as for a client that left
+        self.transport.abort()
+
+
+@web.middleware
+async def request_phases(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Tell the request's Connection when its handler starts and ends (the first middleware:
+    every request the app handles passes here)."""
+    transport = request.transport
+    connection = transport.get_protocol() if transport is not None else None
+    if not isinstance(connection, Connection):  # an app served some other way
+        return await handler(request)
+    connection.request_started(request)
+    try:
+        return await handler(request)
+    finally:
+        connection.request_ended(request)
+
+
 class HttpServer:
     """The HTTP API of one ServingCore on --host:--http-port.
 
     `shared_port`: one of --workers processes, which share the port with SO_REUSEPORT (the
     parent checked that it was free and holds it); otherwise a busy port fails the start.
+    `auth`: the bearer token's check, shared with gRPC (None: one of its own, from the config).
     """
 
-    def __init__(self, core: ServingCore, ready: Readiness, shared_port: bool = False) -> None:
+    def __init__(self, core: ServingCore, ready: Readiness, shared_port: bool = False,
+                 auth: BearerAuth | None = None) -> None:
         self.core = core
         self.config = core.config
         self.shared_port = shared_port
-        self.app = make_app(core, ready)
+        self.app = make_app(core, ready, auth)
+        self.app.middlewares.insert(0, request_phases)  # frozen when the runner is set up
         self.port = 0
+        self.connections: Connections | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
         """Listen; RuntimeError naming --http-port when the port cannot be bound."""
@@ -65,23 +264,37 @@ class HttpServer:
         # no aiohttp access log: every call writes the server's own (tfserve.access); the
         # handlers that remain at stop (past the drain's grace) get a second, then are cancelled
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                               shutdown_timeout=1.0)
+                               shutdown_timeout=1.0,
+                               keepalive_timeout=config.http_keepalive_timeout_seconds,
+                               logger=ServerLog(http_log, {}))
         await runner.setup()
-        site = web.TCPSite(runner, config.host, config.http_port, ssl_context=context,
-                           reuse_port=self.shared_port or None)
+        assert runner.server is not None
+        connections = Connections(runner.server, config.http_max_connections,
+                                  config.http_header_timeout_seconds,
+                                  config.http_body_timeout_seconds, self.core.metrics)
+        loop = asyncio.get_running_loop()
         try:
-            await site.start()
+            # the listener aiohttp's TCPSite would open, with the Connections around its
+            # protocol factory
+            listener = await loop.create_server(
+                connections, config.host, config.http_port, ssl=context, backlog=BACKLOG,
+                reuse_port=self.shared_port or None,
+                **({"ssl_handshake_timeout": config.http_header_timeout_seconds}
+                   if context is not None else {}))
         except OSError as exc:
             await runner.cleanup()
             reason = exc.strerror or (os.strerror(exc.errno) if exc.errno else str(exc))
             raise RuntimeError(f"--http-port {config.http_port}: cannot listen on "
                                f"{config.host}:{config.http_port}: {reason}") from None
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
+        self._runner, self._listener, self.connections = runner, listener, connections
+        self.port = int(listener.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
         """Stop listening, let the handlers still running finish (or cancel them after a
         second: the drain already waited for the calls in flight), close the connections."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
