@@ -164,8 +164,12 @@ class ModelConfig:
             raise ConfigError(
                 f"positions='rope' needs an even head dim, got d_model/num_heads = {self.head_dim}"
             )
-        if self.positions == "sinusoidal" and self.d_model % 2:
-            raise ConfigError(f"positions='sinusoidal' needs an even d_model, got {self.d_model}")
+        # fairseq's table (M2M100, NLLB) zero-pads an odd d_model's last column; the
+        # interleaved and Marian layouts have no such rule
+        if self.positions == "sinusoidal" and self.sinusoidal_layout != "fairseq" and \
+                self.d_model % 2:
+            raise ConfigError(f"positions='sinusoidal' needs an even d_model (except with "
+                              f"sinusoidal_layout='fairseq'), got {self.d_model}")
         if self.positions == "sinusoidal" and self.sinusoidal_layout == "fairseq" and \
                 self.d_model < 4:
             raise ConfigError(f"sinusoidal_layout='fairseq' needs d_model >= 4, "

@@ -36,6 +36,7 @@ class BeamSearch(Search):
         super().__init__(options, eos_token_id, start_token_id)
         self.beams: list[list[int]] = [[]]
         self.beam_scores = np.zeros(1, np.float64)
+        self.branched = False  # whether a step of its own ran (the beams fanned out)
 
     def normalized(self, sum_logprobs: float, length: int) -> float:
         return sum_logprobs / (length**self.options.length_penalty)
@@ -90,11 +91,22 @@ class BeamSearch(Search):
 
     def _end(self) -> tuple[np.ndarray, np.ndarray]:
         """The forced eos for every running beam, log-probability 0 (past min_new_tokens:
-        transformers' forced eos overrides its ban)."""
+        transformers' forced eos overrides its ban).
+
+        transformers starts beams 1..num_beams-1 as copies of beam 0 at score -1e9, so that
+        the first step spreads beam 0's continuations alone. A search the forced eos ends
+        before any step of its own (max_new_tokens 1, or forced tokens up to it) still has
+        them, and transformers returns them too: num_beams - 1 more hypotheses with the one
+        row's tokens, scored (its sum - 1e9) / length ** length_penalty."""
         rows = len(self.beams)
-        return self._select(np.full((rows, 1), self.eos, np.int64),
-                            np.zeros((rows, 1), np.float32), self.beam_scores, self.eos + 1,
-                            allow_eos=True)
+        copies = [] if self.branched else [
+            (list(self.beams[0]), float(self.beam_scores[0]) - 1e9)] * (self.options.num_beams - 1)
+        chosen = self._select(np.full((rows, 1), self.eos, np.int64),
+                              np.zeros((rows, 1), np.float32), self.beam_scores, self.eos + 1,
+                              allow_eos=True)
+        for tokens, score in copies:
+            self.keep_finished(tokens, score, complete=True)
+        return chosen
 
     def _force(self) -> tuple[np.ndarray, np.ndarray]:
         """A prefix token for the single row, log-probability 0 (next_forced counts it
@@ -119,6 +131,7 @@ class BeamSearch(Search):
         top = np.lexsort((flat_2k, -scores_2k))[:count]  # best first, ties by beam then token
         if decided:
             self.generated += 1
+        self.branched = self.branched or (decided and not allow_eos)
         parents, tokens, scores = [], [], []
         for rank, (flat, score) in enumerate(zip(flat_2k[top].tolist(),
                                                  scores_2k[top].tolist())):

@@ -68,8 +68,11 @@ class Search:
     def ending(self) -> bool:
         """Whether the next step produces the forced eos: options.forced_eos is set and it
         decides the max_new_tokens-th new token (transformers forces eos at max_length - 1
-        decoder tokens, which counts the start token and an input prefix)."""
-        return bool(self.options.forced_eos) and (
+        decoder tokens, which counts the start token and an input prefix). An input prefix
+        (not counted as new) comes out first: it is transformers' decoder input, which
+        the forced eos cannot replace."""
+        input_prefix_left = self.forcing and not self.options.prefix_counts_as_new
+        return bool(self.options.forced_eos) and not input_prefix_left and (
             self.generated == self.options.max_new_tokens - 1)
 
     def next_forced(self) -> int:

@@ -39,7 +39,8 @@ def sinusoidal_table(num_positions: int, dim: int, layout: str = "interleaved") 
 def fairseq_table(num_positions: int, dim: int, padding_row: int | None = None
                   ) -> torch.Tensor:
     """fairseq's sinusoidal table (M2M100, NLLB): [sin | cos] halves at the frequencies
-    10000^(-i / (dim/2 - 1)), i = 0..dim/2-1 [num_positions, dim].
+    10000^(-i / (dim/2 - 1)), i = 0..dim/2-1 [num_positions, dim]; an odd dim has a last
+    column of zeros (half = dim // 2, as fairseq and transformers zero-pad it).
 
     Computed in float32 with the very ops of fairseq and transformers
     (M2M100SinusoidalPositionalEmbedding.get_embedding), so the table equals theirs bit for
@@ -52,7 +53,9 @@ def fairseq_table(num_positions: int, dim: int, padding_row: int | None = None
     frequencies = torch.exp(torch.arange(half, dtype=torch.int64).float() * -step)  # [dim/2]
     angles = (torch.arange(num_positions, dtype=torch.int64).float().unsqueeze(1)
               * frequencies.unsqueeze(0))  # [N, dim/2]
-    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)  # [N, dim]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)  # [N, 2 * (dim // 2)]
+    if dim % 2:
+        table = torch.cat([table, torch.zeros(num_positions, 1)], dim=1)  # [N, dim]
     if padding_row is not None:
         table[padding_row, :] = 0
     return table
