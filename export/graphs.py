@@ -262,24 +262,152 @@ def quantize_int8(directory: Path, files: list[str]) -> None:
             source.with_name(source.name + ".data").unlink(missing_ok=True)
 
 
-def store_weights_externally(directory: Path, files: list[str]) -> None:
-    """Move each graph's initializers into `<graph>.data` beside it, in place.
+SHARED_WEIGHTS_FILE = "shared_weights.data"  # the tensors both graphs hold, stored once
+SHARED_MIN_BYTES = 1 << 20  # smaller tensors held by both graphs are not worth sharing
+SHARED_ALIGNMENT = 4096  # offsets in the shared file: page-aligned, so each maps as is
 
-    ONNX Runtime maps such a file into memory instead of parsing the weights out of the
-    protobuf and copying them: loading the opus-mt-base-sized export peaks at 366 MiB instead
-    of 552 (fp32) and 148 instead of 198 (int8), at the same speed.
+
+def store_weights_externally(directory: Path, files: list[str]) -> None:
+    """Store each weight once, outside the graph files, in place.
+
+    - A decoder whose output projection is its token embedding transposed (tied
+      embeddings) reads the embedding itself (`tie_output_projection`): the traced graph
+      holds the table twice, once per layout.
+    - A tensor that several graphs hold with the same contents (the embedding the encoder
+      and the decoder share, equal position tables), from SHARED_MIN_BYTES on, goes once
+      into SHARED_WEIGHTS_FILE, which every such graph names; `tfserve.runtime` maps it once
+      and hands the same buffer to both sessions.
+    - Every other initializer goes into `<graph>.data` beside its graph, and so do the
+      large constants torch traces as Constant nodes (tables it computes from the config,
+      such as sinusoidal positions: `constants_to_initializers`).
+
+    ONNX Runtime maps external data files into memory instead of parsing the weights out of
+    the protobuf and copying them: loading the opus-mt-base-sized export peaks at 366 MiB
+    instead of 552 (fp32) and 148 instead of 198 (int8), at the same speed.
+    int8 exports (`quantize_int8`, run before this) keep an int8 projection of their own:
+    ONNX Runtime's int8 MatMuls read no transposed weight, and the quantized table and
+    projection differ in layout and scales; their encoder and decoder tables are equal
+    and stored once.
     """
     import onnx
 
-    for name in files:
+    models = {name: onnx.load(str(directory / name)) for name in files}
+    for model in models.values():
+        constants_to_initializers(model)
+        tie_output_projection(model)
+    shared = directory / SHARED_WEIGHTS_FILE
+    shared.unlink(missing_ok=True)
+    if share_tensors(list(models.values()), shared):
+        shared.chmod((directory / files[0]).stat().st_mode & 0o777)
+    for name, model in models.items():
         path = directory / name
-        model = onnx.load(str(path))
         data = path.with_name(name + ".data")
         data.unlink(missing_ok=True)
         onnx.save_model(model, str(path), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=data.name, size_threshold=1024)
+        data.touch()  # model.json names it, even if every tensor went to the shared file
         # onnx creates it owner-only; it must be as readable as the graph (a container's
         # non-root user reads artifacts exported by root)
         data.chmod(path.stat().st_mode & 0o777)
         # the tensors a large graph's quantization kept apart are all in `data` now
         path.with_name(name + ".int8.data").unlink(missing_ok=True)
+
+
+def constants_to_initializers(model: Any, min_bytes: int = 1024) -> None:
+    """Turn the graph's Constant nodes holding a tensor of `min_bytes` or more into
+    initializers of the same name (an onnx ModelProto, in place), so that they are stored
+    with the weights (and once, where both graphs hold them) instead of inside the graph
+    file. ONNX Runtime makes initializers of Constant nodes itself: the graph is the same."""
+    graph = model.graph
+    for node in list(graph.node):
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            continue
+        values = [attribute for attribute in node.attribute if attribute.name == "value"]
+        if len(node.attribute) != 1 or not values or len(values[0].t.raw_data) < min_bytes:
+            continue
+        tensor = graph.initializer.add()
+        tensor.CopyFrom(values[0].t)
+        tensor.name = node.output[0]
+        graph.node.remove(node)
+
+
+def tie_output_projection(model: Any) -> bool:
+    """Make the output projection read the token embedding table (an onnx ModelProto, in
+    place); returns whether the graph had a projection equal to the table transposed.
+
+    torch traces a tied `lm_head` as MatMul(x [B,T,D], W [D,V]) with W the embedding
+    [V,D] transposed, constant-folded into a second initializer. It becomes
+    com.microsoft.FusedMatMul(x, table, transB=1), which reads the table as it is (CPU and
+    CUDA kernels). The table is also listed among the graph's inputs (an initializer a
+    caller may override; `InferenceSession.get_inputs` does not list it): ONNX Runtime
+    treats such a tensor as non-constant, so it neither pre-packs a copy of it for the
+    projection (its CPU MatMul kernels pack constant weights into a buffer of their own,
+    while the Gather keeps reading the table) nor folds anything into a copy.
+    """
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    tables = {node.input[0] for node in graph.node
+              if node.op_type == "Gather" and len(node.input) == 2
+              and node.input[1] == "input_ids" and node.input[0] in initializers
+              and len(initializers[node.input[0]].dims) == 2}
+    for index, node in enumerate(graph.node):
+        weight = initializers.get(node.input[1]) if node.op_type == "MatMul" else None
+        if weight is None or len(weight.dims) != 2:
+            continue
+        for name in sorted(tables):
+            table = initializers[name]
+            if (table.data_type != weight.data_type
+                    or list(table.dims) != list(reversed(weight.dims))
+                    or not np.array_equal(numpy_helper.to_array(table).T,
+                                          numpy_helper.to_array(weight))):
+                continue
+            fused = helper.make_node("FusedMatMul", [node.input[0], name], list(node.output),
+                                     name=node.name, domain="com.microsoft", transB=1)
+            graph.node.remove(node)
+            graph.node.insert(index, fused)
+            if not any(weight.name in other.input for other in graph.node):
+                graph.initializer.remove(weight)
+            if name not in {value.name for value in graph.input}:
+                graph.input.append(helper.make_tensor_value_info(name, table.data_type,
+                                                                 list(table.dims)))
+            if "com.microsoft" not in {opset.domain for opset in model.opset_import}:
+                model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+            return True
+    return False
+
+
+def share_tensors(models: list[Any], path: Path) -> bool:
+    """Write the initializers that several of `models` hold with the same contents (from
+    SHARED_MIN_BYTES on) once into `path`, and point each of them there (onnx ModelProtos,
+    in place); returns whether there were any."""
+    import hashlib
+
+    from onnx import TensorProto
+    from onnx.external_data_helper import set_external_data
+
+    holders: dict[tuple[int, tuple[int, ...], bytes], list[tuple[int, Any]]] = {}
+    for number, model in enumerate(models):
+        for tensor in model.graph.initializer:
+            if (tensor.data_location == TensorProto.EXTERNAL or not tensor.HasField("raw_data")
+                    or len(tensor.raw_data) < SHARED_MIN_BYTES):
+                continue
+            key = (tensor.data_type, tuple(tensor.dims),
+                   hashlib.sha256(tensor.raw_data).digest())
+            holders.setdefault(key, []).append((number, tensor))
+    shared = [tensors for tensors in holders.values()
+              if len({number for number, _ in tensors}) > 1]
+    if not shared:
+        return False
+    with path.open("wb") as handle:
+        for tensors in shared:
+            raw = tensors[0][1].raw_data
+            offset = -(-handle.tell() // SHARED_ALIGNMENT) * SHARED_ALIGNMENT
+            handle.write(b"\0" * (offset - handle.tell()))
+            handle.write(raw)
+            for _, tensor in tensors:
+                set_external_data(tensor, path.name, offset, len(raw))
+                tensor.ClearField("raw_data")
+    return True

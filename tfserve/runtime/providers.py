@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +119,7 @@ def make_session(
     optimization: str = "all",
     allow_spinning: bool = False,
     shared_arena: bool = True,
+    initializers: Mapping[str, ort.OrtValue] | None = None,
 ) -> ort.InferenceSession:
     """One InferenceSession with explicit threads and optimization level.
 
@@ -126,6 +127,10 @@ def make_session(
     threads busy-wait: faster only when nothing else needs the cores between runs.
     shared_arena (CPU): allocate from one process-wide arena (`share_cpu_arena`) instead of
     one per session.
+    initializers: tensors the session takes as they are instead of loading them from the
+    graph's files (`SessionOptions.add_initializer`), by initializer name: one OrtValue given
+    to several sessions is one copy in memory (`tfserve.runtime.shared_weights`). They must
+    outlive the session.
     """
     kind, index = parse_device(device)
     provider = PROVIDERS[kind]
@@ -149,6 +154,8 @@ def make_session(
     if shared_arena and provider.cpu_arena:
         share_cpu_arena()
         options.add_session_config_entry("session.use_env_allocators", "1")
+    for name, value in (initializers or {}).items():
+        options.add_initializer(name, value)
     # fatal only: every error of a run reaches the caller as an exception, which the server
     # logs as one record (ONNX Runtime's own line on stderr would say it a second time)
     options.log_severity_level = 4
