@@ -24,10 +24,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tfserve.argparsing import OneLineParser, add_version
 from tfserve.version import __version__
+
+if TYPE_CHECKING:  # imported where used: it loads torch
+    from export.sources import Source
 
 EXIT_PARITY = 1
 EXIT_USAGE = 2
@@ -180,9 +183,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 (staging / name).write_text(source.built_files[name], encoding="utf-8")
             else:
                 shutil.copy2(source.directory / name, staging / name)
+        generation = source.generation or recorded_generation(model.config.extra)
         manifest = Manifest(
             config=model.config,
-            generation=source.generation or recorded_generation(model.config.extra),
+            generation=generation,
+            banned_token_ids=banned_token_ids(source, generation),
             tokenizer=source.tokenizer_spec,
             dtype=args.dtype,
             quantization=args.quantize,
@@ -226,6 +231,19 @@ def recorded_generation(extra: dict[str, Any]) -> dict[str, Any]:
         return {}
     return {key: value for key, value in recorded.items()
             if key in HF_FIELDS and value is not None}
+
+
+def banned_token_ids(source: Source, generation: dict[str, Any]) -> list[int]:
+    """The tokens the searches will never produce (model.json's banned_token_ids): what the
+    checkpoint's bad_words_ids bans (tfserve.generation_defaults); for a native checkpoint,
+    its pad token unless it is eos (tfserve's own models train with pad as padding only, and
+    have always been decoded with it banned)."""
+    from tfserve.generation_defaults import GenerationDefaults, pad_ban
+
+    cfg = source.model.config
+    if source.kind == "native":
+        return list(pad_ban(cfg.pad_token_id, cfg.eos_token_id))
+    return GenerationDefaults(generation).banned_token_ids(cfg.eos_token_id)
 
 
 class ParityFailure(Exception):

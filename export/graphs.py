@@ -254,8 +254,12 @@ def quantize_int8(directory: Path, files: list[str]) -> None:
         source = directory / name
         target = directory / (name + ".int8")
         large = is_large(source)
+        # reduce_range: 7-bit weights. A CPU without VNNI (AVX2 only) multiplies u8 x s8 pairs
+        # with VPMADDUBSW, whose 16-bit sums saturate at full range; artifacts are served on
+        # whatever CPU the user has, so they keep the range every CPU computes exactly
         quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8,
-                         per_channel=True, op_types_to_quantize=["MatMul", "Gather"],
+                         per_channel=True, reduce_range=True,
+                         op_types_to_quantize=["MatMul", "Gather"],
                          use_external_data_format=large)
         target.replace(source)
         if large:  # its tensors went to <target>.data, which the graph names

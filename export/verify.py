@@ -191,7 +191,8 @@ def greedy_agreement(model: Seq2SeqTransformer, runtime: Runtime,
     for start in range(0, len(sources), 32):
         chunk = sources[start : start + 32]
         ids, mask = runtime.tokenizer.pad_batch(chunk)
-        ref = generate(EagerBackend(model), ids, mask, options)
+        ref = generate(EagerBackend(model, banned_token_ids=runtime.banned_token_ids), ids,
+                       mask, options)
         out = generate(runtime, ids, mask, options)
         identical += sum(r[0].token_ids == o[0].token_ids for r, o in zip(ref, out))
     return {"sentences": len(sources), "identical": identical,

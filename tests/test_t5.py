@@ -389,14 +389,14 @@ def test_graphs_take_any_length(runtimes):
 
 
 def hf_generate(model, batch, num_beams: int) -> list[list[int]]:
-    """transformers' generate tokens per row (start token, eos and padding removed).
+    """transformers' generate tokens per row (start token removed, cut at eos).
 
-    bad_words_ids [[pad]]: tfserve.generation never produces the pad token (a T5 trained
-    model does not either); the rest are generate's defaults (length_penalty 1.0, no early
-    stopping, no_repeat_ngram_size 0)."""
+    No bad_words_ids: these checkpoints ban nothing, and tfserve bans what a checkpoint
+    bans (model.json's banned_token_ids); the rest are generate's defaults (length_penalty
+    1.0, no early stopping, no_repeat_ngram_size 0)."""
     with torch.no_grad():
         out = model.generate(**batch, do_sample=False, num_beams=num_beams,
-                             max_new_tokens=MAX_NEW_TOKENS, bad_words_ids=[[0]],
+                             max_new_tokens=MAX_NEW_TOKENS,
                              length_penalty=1.0, early_stopping=False, no_repeat_ngram_size=0)
     rows = []
     for row in out[:, 1:].tolist():
@@ -425,7 +425,8 @@ def options(mode: str) -> DecodingOptions:
 @pytest.mark.parametrize("name", ["v10", "mt5"])
 def test_search_matches_generate(name, mode, backend_name, searches, runtimes, imported):
     batch, expected = searches[name]
-    backend = runtimes[name] if backend_name == "onnxruntime" else EagerBackend(imported[name])
+    backend = runtimes[name] if backend_name == "onnxruntime" else EagerBackend(
+        imported[name], banned_token_ids=runtimes[name].banned_token_ids)
     results = generate(backend, batch["input_ids"].numpy(), batch["attention_mask"].numpy(),
                        options(mode))
     ours = [r[0].token_ids for r in results]
@@ -527,8 +528,7 @@ def test_task_prefixes_and_language_tokens_through_the_translator(checkpoints, e
         tokenizer = hf_tokenizers[name]
         with torch.no_grad():
             out = model.generate(**tokenizer(texts, return_tensors="pt", padding=True),
-                                 do_sample=False, num_beams=4, max_new_tokens=MAX_NEW_TOKENS,
-                                 bad_words_ids=[[0]])
+                                 do_sample=False, num_beams=4, max_new_tokens=MAX_NEW_TOKENS)
         expected = tokenizer.batch_decode(out, skip_special_tokens=True)
         translator = Translator(exported[name], intra_op_threads=1)
         assert translator.translate(texts, num_beams=4, max_new_tokens=MAX_NEW_TOKENS) == \

@@ -23,6 +23,7 @@ from tfserve.generation import (
     Hypothesis,
     Search,
     StepOutput,
+    banned_tokens,
     make_search,
     score_rows,
 )
@@ -103,6 +104,10 @@ class DecodeBatch:
     position_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     last_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     steps: int = 0
+    # where the backend reorders the cache inside its step (`reorders_in_step`: the device
+    # placement, one run per step), a beam step's reorder waits for the next step: row i
+    # continues row past_rows[i] of `past`. None: `past` is in row order
+    past_rows: np.ndarray | None = None
     _per_row: tuple | None = None  # (layout, cross, its rows repeated per decoder row, mask)
     # decide greedy and beam rows from the backend's top candidates when it has them (off:
     # always from the full logits; both give the same tokens, see tests/test_runtime.py)
@@ -192,7 +197,10 @@ class DecodeBatch:
         if self.rows:
             # the newcomers have no history: holes (mask 0) where the others have a cache
             past_len = self.self_attention_mask.shape[1]
-            self.past = backend.concat_rows([self.past, new_past], past_len, left=True,
+            if keep_rows is not None and self.past_rows is not None:
+                keep_rows, self.past_rows = self.past_rows[keep_rows], None  # one gather
+            self.past = backend.concat_rows([self._ordered_past(), new_past], past_len,
+                                            left=True,
                                             first_rows=keep_rows, first_time=past_time)
             self.self_attention_mask = np.concatenate(
                 [self.self_attention_mask, np.zeros((count, past_len), np.int64)])
@@ -257,6 +265,9 @@ class DecodeBatch:
         # after the step (the backend only reads it)
         self_attention_mask = np.concatenate(
             [self.self_attention_mask, np.ones((self.rows, 1), np.int64)], axis=1)
+        # every member deciding from the backend's top candidates: the step leaves the
+        # [R,V] logits where they were made (on a device: nothing of vocabulary size moves)
+        from_top = self._decides_from_top()
         try:
             out = self.backend.step(
                 self.last_tokens[:, None],  # [R,1]
@@ -265,17 +276,22 @@ class DecodeBatch:
                 encoder_attention_mask,
                 self.past,
                 cross,
+                **({"need_logits": False} if from_top else {}),
+                **({"cache_rows": self.past_rows} if self.past_rows is not None else {}),
             )
         except Exception as exc:  # nothing has changed yet: the batch can be stepped again
             raise BatchRunError(f"decoder run failed: {exc}") from exc
+        if from_top and (out.top_ids is None or out.top_log_probs is None):
+            raise BatchRunError("the backend declares top candidates, but its step gave none")
         self.steps += 1
-        self.past = out.present
+        self.past, self.past_rows = out.present, None
         self.self_attention_mask = self_attention_mask
-        # pad is banned after the normaliser is taken, without renormalising: the scores then
-        # equal Hugging Face's with Marian's bad_words_ids=[[pad]]
+        # the model's banned tokens (the checkpoint's bad_words_ids, from model.json; pad for
+        # older exports) go to -inf after the normaliser is taken, without renormalising: the
+        # scores then equal transformers' with those bad_words_ids
         pad = self.backend.pad_token_id
-        banned = pad if pad != self.backend.eos_token_id else None
-        top = self._candidates(out, banned)
+        banned = banned_tokens(self.backend)  # [n] or None
+        top = self._candidates(out, banned) if from_top else None
         if top is None:
             # [R,V]; the backend hands over a fresh array, so score_rows edits it in place;
             # beam candidates of every row come from one threaded pass
@@ -350,12 +366,20 @@ class DecodeBatch:
                 np.concatenate([self.self_attention_mask[index],
                                 np.ones((rows, 1), np.int64)], axis=1),  # [r,P+1]
                 self.encoder_attention_mask[member_rows],  # [1 or r,S]
-                backend.take_rows(self.past, index),
+                backend.take_rows(self.past, index if self.past_rows is None
+                                  else self.past_rows[index]),
                 backend.take_rows(self.cross, member_rows),
             )
         except Exception as exc:
             return exc
         return None
+
+    def _ordered_past(self) -> Cache:
+        """The past in row order: a reorder left to the next step (past_rows) done now."""
+        if self.past_rows is not None:
+            self.past = self.backend.take_rows(self.past, self.past_rows)
+            self.past_rows = None
+        return self.past
 
     def _used_columns(self) -> tuple[int, int]:
         """The first self-attention cache column some row uses, and the source length the
@@ -375,22 +399,30 @@ class DecodeBatch:
         oldest = min(search.since for search in retired)  # type: ignore[union-attr]
         return share or self.steps - oldest >= self.RETIRED_STEPS
 
-    def _candidates(self, out: StepOutput, banned: int | None
-                    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """The step's top candidates (ids [R,K], log-probs [R,K], `banned` at -inf) when the
-        backend computed them and every member can decide from them; else None."""
-        if out.top_ids is None or out.top_log_probs is None or not self.use_top_candidates:
-            return None
-        ids, log_probs = out.top_ids[:, -1, :], out.top_log_probs[:, -1, :]
-        # K = V: every token is a candidate; else room for the needed ones plus pad and eos
-        room = ids.shape[1] if ids.shape[1] >= self.backend.vocab_size else ids.shape[1] - 2
+    def _decides_from_top(self) -> bool:
+        """Whether every running member can decide this step from the K best candidates per
+        row that the backend computes (`Backend.top_candidates`; 0: it computes none)."""
+        k = getattr(self.backend, "top_candidates", 0)
+        if not k or not self.use_top_candidates:
+            return False
+        # K = V: every token is a candidate; else room for the needed ones plus the banned
+        # tokens and eos (banned before min_new_tokens)
+        banned = banned_tokens(self.backend)
+        reserved = {self.backend.eos_token_id, *(() if banned is None else banned.tolist())}
+        room = k if k >= self.backend.vocab_size else k - len(reserved)
         for member in self.members:
             needed = member.search.top_needed()
             if needed == 0 or needed > room:
-                return None
+                return False
+        return True
+
+    def _candidates(self, out: StepOutput, banned: np.ndarray | None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """The step's top candidates: ids [R,K], log-probs [R,K], the `banned` ids at -inf."""
+        ids, log_probs = out.top_ids[:, -1, :], out.top_log_probs[:, -1, :]
         log_probs = log_probs.astype(np.float32)  # a copy: edited below
         if banned is not None:
-            log_probs[ids == banned] = -np.inf
+            log_probs[np.isin(ids, banned)] = -np.inf
         return ids.astype(np.int64, copy=False), log_probs
 
     def _reorder(self, index: np.ndarray, members: list[_Member],
@@ -402,7 +434,7 @@ class DecodeBatch:
         previous_rows = self.rows
         self.slots = members
         if not members:
-            self.past = self.cross = None
+            self.past = self.cross = self.past_rows = None
             self.self_attention_mask = np.zeros((0, 0), np.int64)
             self.encoder_attention_mask = np.zeros((0, 0), np.int64)
             self.position_ids = np.zeros(0, np.int64)
@@ -410,9 +442,17 @@ class DecodeBatch:
             return
         identity = len(index) == previous_rows and bool((index == np.arange(previous_rows)).all())
         if not identity:
-            # the past is always this batch's own (a fresh present, or made by add/remove)
-            self.past = self.backend.take_rows(self.past, index, reuse=True)
             self.self_attention_mask = self.self_attention_mask[index]
+            first, _ = self._used_columns()
+            if (member_index is None and first == 0
+                    and getattr(self.backend, "reorders_in_step", False)):
+                # the next step gathers the rows (a beam step: the same rows, reordered)
+                self.past_rows = index if self.past_rows is None else self.past_rows[index]
+            else:
+                rows = index if self.past_rows is None else self.past_rows[index]
+                self.past_rows = None
+                # the past is always this batch's own (a fresh present, or made by add/remove)
+                self.past = self.backend.take_rows(self.past, rows, reuse=True)
             if member_index is not None:
                 self.cross = self.backend.take_rows(self.cross, member_index)
                 self.encoder_attention_mask = self.encoder_attention_mask[member_index]
@@ -420,7 +460,7 @@ class DecodeBatch:
             if len(self.last_tokens) == previous_rows:
                 self.last_tokens = self.last_tokens[index]
             first, src_len = self._used_columns()
-            if first > 0:
+            if first > 0:  # past_rows is None: the rows were taken above
                 stop = self.self_attention_mask.shape[1]
                 self.past = self.backend.slice_time(self.past, first, stop)
                 self.self_attention_mask = self.self_attention_mask[:, first:]

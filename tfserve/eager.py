@@ -12,23 +12,30 @@ import numpy as np
 import torch
 
 from tfserve.generation import StepOutput, narrow_first
+from tfserve.manifest import TOP_CANDIDATES
 from tfserve.model import KVCache, Seq2SeqTransformer
 
 
 class EagerBackend:
     """Runs the PyTorch model in inference mode; caches are lists of (key, value) tensors."""
 
-    def __init__(self, model: Seq2SeqTransformer, device: str | torch.device = "cpu") -> None:
+    def __init__(self, model: Seq2SeqTransformer, device: str | torch.device = "cpu",
+                 banned_token_ids: Sequence[int] | None = None) -> None:
+        """banned_token_ids: the tokens no search produces (a runtime's, model.json's
+        banned_token_ids); None: pad unless it is eos, the rule of an older export."""
         self.model = model.to(device).eval()
         self.device = torch.device(device)
         cfg = model.config
         self.vocab_size = cfg.vocab_size
         self.eos_token_id = cfg.eos_token_id
         self.pad_token_id = cfg.pad_token_id
+        if banned_token_ids is not None:
+            self.banned_token_ids = tuple(int(token) for token in banned_token_ids)
         self.decoder_start_token_id = cfg.decoder_start_token_id
         self.max_target_positions = cfg.max_target_positions
         self.max_source_positions = cfg.max_source_positions
         self.grouped_cross = True  # decode_step repeats grouped cross rows itself
+        self.top_candidates = min(TOP_CANDIDATES, cfg.vocab_size)  # as model.top_candidates
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
@@ -54,6 +61,7 @@ class EagerBackend:
         encoder_attention_mask: np.ndarray,
         past: KVCache,
         cross: KVCache,
+        need_logits: bool = True,
     ) -> StepOutput:
         """One decoder call, with the top candidates the exported decoder graph computes."""
         logits, present = self.model.decode_step(
@@ -65,8 +73,8 @@ class EagerBackend:
             cross,
         )
         top_log_probs, top_ids = self.model.top_candidates(logits)  # [B,T,K]
-        return StepOutput(logits.float().cpu().numpy(), present, top_log_probs.cpu().numpy(),
-                          top_ids.cpu().numpy())
+        return StepOutput(logits.float().cpu().numpy() if need_logits else None, present,
+                          top_log_probs.cpu().numpy(), top_ids.cpu().numpy())
 
     def empty_past(self, rows: int) -> KVCache:
         return self.model.empty_cache(rows, self.device)

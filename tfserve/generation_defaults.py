@@ -18,8 +18,15 @@ them here, in `GenerationDefaults.merge`, so that they mean the same everywhere:
   the model's eos (an int, or a list of that one id), as in every checkpoint that sets it;
 - decoder_start_token_id -> the model's decoder start token (applied at export).
 
+- bad_words_ids -> the tokens no search produces (`GenerationDefaults.banned_token_ids`,
+  recorded at export in model.json's "banned_token_ids"): its single-token entries, less
+  eos (transformers' NoBadWordsLogitsProcessor drops an [eos] entry); opus-mt bans its pad
+  token this way. transformers bans nothing else by default for the families tfserve runs,
+  so a T5, BART, mBART, M2M100 or NLLB checkpoint without bad_words_ids may produce pad.
+
 Recorded but not applied (`GenerationDefaults.unapplied`): a forced_eos_token_id other than
-the model's eos, bad_words_ids other than the pad token (which tfserve never produces).
+the model's eos, bad_words_ids entries of more than one token (transformers bans their last
+token where the others end the sequence so far; tfserve does not).
 Pure Python: part of the serving path.
 """
 
@@ -47,6 +54,21 @@ HF_FIELDS: dict[str, tuple[type, ...]] = {
 }
 # DecodingOptions fields only beam search reads: not applied to a request that samples
 BEAM_FIELDS = ("num_beams", "length_penalty", "early_stopping")
+
+
+def pad_ban(pad_token_id: int, eos_token_id: int) -> tuple[int, ...]:
+    """The tokens tfserve banned for every model before model.json recorded a checkpoint's
+    bans: the pad token, unless it is also eos. It stays the rule of a manifest without
+    "banned_token_ids" and of a backend that names no bans."""
+    return (pad_token_id,) if pad_token_id != eos_token_id else ()
+
+
+def _single_token(entry: Any) -> int | None:
+    """The token of a bad_words_ids entry of one token id, else None."""
+    if isinstance(entry, list) and len(entry) == 1 and isinstance(entry[0], int) \
+            and not isinstance(entry[0], bool):
+        return entry[0]
+    return None
 
 
 def from_hf_files(config: Mapping[str, Any], generation_config: Mapping[str, Any] | None
@@ -103,14 +125,23 @@ class GenerationDefaults:
             return forced is not None
         return forced == eos_token_id or forced == [eos_token_id]
 
+    def banned_token_ids(self, eos_token_id: int) -> list[int]:
+        """The tokens bad_words_ids bans at every step: its single-token entries, eos left
+        out as transformers leaves it out; sorted, each once."""
+        entries = self.fields.get("bad_words_ids") or []
+        tokens = {_single_token(entry) for entry in entries}
+        return sorted(token for token in tokens if token is not None and token != eos_token_id)
+
     def unapplied(self, pad_token_id: int | None = None,
                   eos_token_id: int | None = None) -> list[str]:
-        """The recorded settings tfserve does not apply (module docstring)."""
+        """The recorded settings tfserve does not apply (module docstring). pad_token_id is
+        not used: bad_words_ids' single-token entries are applied whichever token they
+        name."""
         left = []
         if "forced_eos_token_id" in self.fields and not self.forces_eos(eos_token_id):
             left.append("forced_eos_token_id")
-        banned = self.fields.get("bad_words_ids")
-        if banned and banned != [[pad_token_id]]:
+        entries = self.fields.get("bad_words_ids") or []
+        if any(_single_token(entry) is None for entry in entries):
             left.append("bad_words_ids")
         return left
 

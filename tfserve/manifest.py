@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tfserve.config import ConfigError, ModelConfig
-from tfserve.generation_defaults import HF_FIELDS, GenerationDefaults
+from tfserve.generation_defaults import HF_FIELDS, GenerationDefaults, pad_ban
 from tfserve.tokenizer import TokenizerSpec
 
 FORMAT_VERSION = 1
@@ -30,8 +30,10 @@ FORMAT_VERSION = 1
 # 5: cross K/V and encoder mask may have one row per group of rows; 6: the grouped
 # cross-attention's reshapes share their shape ops across layers, no Cast of fp32 logits;
 # 7: fp32 RoPE as com.microsoft.RotaryEmbedding over cos/sin tables, constant-size
-# rotate_half slices); an exported demo made by an older revision is re-exported on first use.
-GRAPH_REVISION = 7
+# rotate_half slices; 8: a tied output projection reads the token table (FusedMatMul,
+# transB), tensors both graphs hold stored once in shared_weights.data); an exported demo
+# made by an older revision is re-exported on first use.
+GRAPH_REVISION = 8
 GROUPED_CROSS_REVISION = 5  # the first revision whose decoder takes grouped cross rows
 MANIFEST_FILE = "model.json"
 
@@ -63,7 +65,9 @@ def encoder_io(layers: int) -> tuple[list[str], list[str]]:
 # Optional decoder outputs (graph revision 2): each position's best log-probabilities
 # [B,T,K] (sorted, best first) and their token ids [B,T,K], K = min(TOP_CANDIDATES, V).
 # LogSoftmax + TopK in the graph replace the search's pass over [B,V] logits in numpy for
-# greedy and beam rows; K covers 2 x 16 beams plus the two tokens a search may ban (pad, eos).
+# greedy and beam rows; K covers 2 x 16 beams plus the two tokens a search may ban (one
+# banned token, such as opus-mt's pad, and eos before min_new_tokens); with more banned
+# tokens, 16 beams decide from the full logits (DecodeBatch).
 TOP_OUTPUTS = ("top_log_probs", "top_ids")
 TOP_CANDIDATES = 34
 
@@ -97,6 +101,12 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     # the checkpoint's generation settings (tfserve.generation_defaults), HF field names
     generation: dict[str, Any] = field(default_factory=dict)
+    # the tokens no search produces ("banned_token_ids": bad_words_ids' single-token
+    # entries, as transformers bans them). None: a manifest written before the field, which
+    # keeps the rule it was served with, pad banned unless it is eos (`banned_tokens`): its
+    # outputs do not change with an upgrade, an opus-mt export keeps its ban, and a
+    # re-export records the checkpoint's own
+    banned_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.config.encoder_only:  # no decoder graph
@@ -105,6 +115,12 @@ class Manifest:
     @property
     def generation_defaults(self) -> GenerationDefaults:
         return GenerationDefaults(self.generation)
+
+    def banned_tokens(self) -> tuple[int, ...]:
+        """The tokens the searches never produce on this model (see banned_token_ids)."""
+        if self.banned_token_ids is None:
+            return pad_ban(self.config.pad_token_id, self.config.eos_token_id)
+        return tuple(self.banned_token_ids)
 
     def to_dict(self) -> dict[str, Any]:
         layers = self.config.decoder_layers
@@ -133,6 +149,8 @@ class Manifest:
             "parity": self.parity,
             "provenance": self.provenance,
             "generation": self.generation,
+            **({} if self.banned_token_ids is None
+               else {"banned_token_ids": list(self.banned_token_ids)}),
         }
 
     def save(self, directory: str | Path) -> Path:
@@ -180,6 +198,7 @@ class Manifest:
                 parity=data.get("parity", {}),
                 provenance=data.get("provenance", {}),
                 generation=_generation(data),
+                banned_token_ids=_banned_token_ids(data),
             )
             GenerationDefaults(manifest.generation)
         except (KeyError, TypeError) as exc:
@@ -208,6 +227,10 @@ class Manifest:
                 raise ManifestError(f"{path}: tokenizer.{field_name} is {value}, outside the "
                                     f"vocabulary [0, {vocab_size})")
         _check_special_tokens(path, data, manifest.config)
+        for token in manifest.banned_token_ids or ():
+            if not 0 <= token < vocab_size:
+                raise ManifestError(f"{path}: banned_token_ids holds {token}, outside the "
+                                    f"vocabulary [0, {vocab_size})")
         return manifest
 
 
@@ -230,6 +253,18 @@ def _check_special_tokens(path: Path, data: dict[str, Any], config: ModelConfig)
         if value != served:
             raise ManifestError(f"{path}: special_tokens.{key} is {value}, but "
                                 f"model.{field_name} is {served}")
+
+
+def _banned_token_ids(data: dict[str, Any]) -> list[int] | None:
+    """model.json's banned_token_ids (None where the export predates it); ValueError when it
+    is not a list of token ids."""
+    if "banned_token_ids" not in data:
+        return None
+    value = data["banned_token_ids"]
+    if not isinstance(value, list) or any(
+            isinstance(token, bool) or not isinstance(token, int) for token in value):
+        raise ValueError(f"banned_token_ids must be a list of token ids, got {value!r}")
+    return value
 
 
 def _generation(data: dict[str, Any]) -> dict[str, Any]:

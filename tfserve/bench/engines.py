@@ -121,7 +121,7 @@ class HuggingFaceEngine(Engine):
         self.pad = self.model.config.pad_token_id
         # opus-mt forces eos at max_length, so min = max new tokens would end with eos: turn
         # it off where generate() reads it (a None in a generation_config passed to generate()
-        # falls back to the model's value); bad_words_ids [[pad]] stays, as tfserve bans pad
+        # falls back to the model's value); bad_words_ids stays: tfserve applies it too
         self.model.generation_config.forced_eos_token_id = None
         self.model.config.forced_eos_token_id = None
 

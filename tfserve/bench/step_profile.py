@@ -1,6 +1,8 @@
-"""Where one decoder step's time goes: ONNX Runtime's per-node profile of an export's decoder.
+"""Where one decoder step's time goes: ONNX Runtime's per-node profile of an export's decoder,
+or (--search) what a search's steps cost in runs and host <-> device traffic.
 
     python -m tfserve.bench.step_profile ARTIFACTS [--batch 16] [--threads 2] [--past 16]
+    python -m tfserve.bench.step_profile ARTIFACTS --search [--batch 32] [--beams 4]
 
 Runs the decoder graph of an artifacts directory on random inputs (`--batch` rows, one new
 token after `--past` cached ones, a source of `--source` tokens), a few warm-up steps and
@@ -9,6 +11,13 @@ without fetching the [B,1,V] logits (what a search that reads only the graph's t
 candidates would pay), and the nodes that take the most kernel time. With a large
 vocabulary (NLLB-200's 256,206 ids) the output projection (`/lm_head/MatMul`, or its
 `_quant` form in int8 exports) and the LogSoftmax / TopK over its output lead the list.
+
+--search decodes `--batch` random sources of `--source` tokens with `--beams` beams (1:
+greedy) for `--steps` new tokens through the serving path (`Runtime` and `DecodeBatch`), with
+the KV cache kept as the device placement keeps it (`--placement device`, the path CUDA takes,
+here in CPU memory) or as the CPU keeps it (`--placement host`), and prints the ONNX Runtime
+runs and the bytes copied between host and device memory per decoder step (the runtime's
+`RunCounters`; the encoder run and the rows' joining are not counted).
 
 Imports numpy and onnxruntime only.
 """
@@ -87,6 +96,43 @@ def profile(artifacts: Path, batch: int, threads: int, past: int, source: int, s
     return lines
 
 
+def search_profile(artifacts: Path, batch: int, beams: int, source: int, steps: int,
+                   threads: int, placement: str) -> dict[str, float | int | str]:
+    """Runs and host <-> device bytes per decoder step of one search (module docstring)."""
+    from tfserve.batch import DecodeBatch
+    from tfserve.generation import DecodingOptions, make_search
+    from tfserve.runtime import Runtime
+
+    runtime = Runtime(artifacts, intra_op_threads=threads,
+                      device_cache=placement == "device")
+    if runtime.decoder is None:
+        raise ValueError(f"{artifacts} is an encoder-only model (model.decoder_layers 0): it "
+                         "has no decoder step to profile")
+    rng = np.random.default_rng(0)
+    # ids above the special ones; eos last, as a tokenizer ends a source
+    ids = rng.integers(4, runtime.vocab_size - 1, (batch, source), dtype=np.int64)  # [N,S]
+    ids[:, -1] = runtime.eos_token_id
+    mask = np.ones_like(ids)
+    # every row runs all `steps` steps: eos is blocked until the last one
+    options = DecodingOptions(num_beams=beams, max_new_tokens=steps, min_new_tokens=steps)
+    searches = [make_search(options, runtime.eos_token_id, runtime.decoder_start_token_id)
+                for _ in range(batch)]
+    decode = DecodeBatch(runtime)
+    decode.add(searches, list(range(batch)), runtime.encode(ids, mask)[1], mask)
+    before, done = runtime.counters.snapshot(), 0
+    started = time.perf_counter()
+    while len(decode):
+        decode.step()
+        done += 1
+    seconds = time.perf_counter() - started
+    moved = runtime.counters.since(before)
+    return {"model": artifacts.name, "placement": placement, "texts": batch, "beams": beams,
+            "steps": done, "runs_per_step": round(moved.runs / done, 2),
+            "to_device_bytes_per_step": round(moved.to_device / done),
+            "to_host_bytes_per_step": round(moved.to_host / done),
+            "ms_per_step": round(seconds / done * 1e3, 2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     from tfserve.argparsing import OneLineParser
 
@@ -100,12 +146,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", type=int, default=25, help="source tokens per row")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--top", type=int, default=8, help="nodes listed")
+    parser.add_argument("--search", action="store_true",
+                        help="decode with a search and report runs and host <-> device bytes "
+                             "per step instead of the node profile")
+    parser.add_argument("--beams", type=int, default=1, help="--search: beams (1: greedy)")
+    parser.add_argument("--placement", choices=("device", "host"), default="device",
+                        help="--search: where the KV cache lives between steps")
     args = parser.parse_args(argv)
-    for name in ("batch", "past", "source", "steps", "top"):
+    for name in ("batch", "past", "source", "steps", "top", "beams"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
     if args.threads < 0:
         parser.error("--threads must be >= 0")
+    if args.search:
+        try:
+            row = search_profile(args.artifacts, args.batch, args.beams, args.source,
+                                 args.steps, args.threads, args.placement)
+        except (ValueError, OSError) as exc:
+            parser.error(str(exc))
+        print(json.dumps(row))
+        return 0
     try:
         lines = profile(args.artifacts, args.batch, args.threads, args.past, args.source,
                         args.steps, args.top)

@@ -21,7 +21,7 @@ and the registry `make_search` picks from), one module per strategy (`greedy`, `
 `register_search`, imported below.
 """
 
-from tfserve.generation.backend import Backend, Cache, StepOutput, narrow_first
+from tfserve.generation.backend import Backend, Cache, StepOutput, banned_tokens, narrow_first
 from tfserve.generation.beam import BeamSearch
 from tfserve.generation.controls import RepetitionControls, banned_ngram_tokens
 from tfserve.generation.greedy import GreedySearch
@@ -54,6 +54,7 @@ __all__ = [
     "Search",
     "StepOutput",
     "banned_ngram_tokens",
+    "banned_tokens",
     "filter_logits",
     "log_softmax",
     "logsumexp",

@@ -13,7 +13,7 @@ Cache = Any  # a backend's per-layer tensors; the search code never looks inside
 class StepOutput(NamedTuple):
     """One decoder call, as the search sees it."""
 
-    logits: np.ndarray  # float32 [B,T,V]
+    logits: np.ndarray | None  # float32 [B,T,V]; None where the step was asked for none
     present: Cache
     # where the backend computes them (graph revision 2): each position's best
     # log-probabilities [B,T,K], best first, and their token ids [B,T,K]
@@ -26,11 +26,21 @@ class Backend(Protocol):
 
     vocab_size: int
     eos_token_id: int
-    pad_token_id: int  # never generated (as Marian's bad_words_ids), unless it is also eos
+    pad_token_id: int
+    # optional, not declared here: `banned_token_ids`, the tokens no search produces on it
+    # (the checkpoint's bans, model.json's); without it pad is banned unless it is eos
+    # (`banned_tokens`)
     # step accepts cross K/V and encoder mask with B/G rows, row r using row r // G
     grouped_cross: bool
     decoder_start_token_id: int
     max_target_positions: int
+    # K: the best candidates per position that every step gives (top_log_probs, top_ids),
+    # 0 where it gives none. A backend with K > 0 takes need_logits=False in `step`
+    # (optional: a backend without top candidates is never asked)
+    top_candidates: int
+    # optional, not declared here: `reorders_in_step`, True where `step` takes cache_rows
+    # [B] (row i continues row cache_rows[i] of `past`) and reorders the cache inside the
+    # step's run; the batch then leaves a beam step's reorder to the next step
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[Any, Cache]:
         """input_ids/attention_mask int64 [B,S] -> (hidden states [B,S,D], cross K/V cache)."""
@@ -43,8 +53,10 @@ class Backend(Protocol):
         encoder_attention_mask: np.ndarray,
         past: Cache,
         cross: Cache,
+        need_logits: bool = True,
     ) -> StepOutput:
-        """One decoder call: logits float32 [B,T,V] as numpy, the present cache, and each
+        """One decoder call: logits float32 [B,T,V] as numpy (None when need_logits is
+        False: the search decides from the top candidates), the present cache, and each
         position's top candidates where the backend has them."""
 
     def empty_past(self, rows: int) -> Cache:
@@ -70,6 +82,17 @@ class Backend(Protocol):
 
     def slice_time(self, cache: Cache, start: int, stop: int) -> Cache:
         """Keep positions [start, stop) of the time axis (2)."""
+
+
+def banned_tokens(backend: Backend) -> np.ndarray | None:
+    """The token ids [n] no search may produce on `backend`, None for none: its
+    `banned_token_ids`, or, where it has none, the pad token unless it is also eos (the rule
+    of tfserve.generation_defaults.pad_ban, for a manifest written before the field)."""
+    banned = getattr(backend, "banned_token_ids", None)
+    if banned is None:
+        pad = backend.pad_token_id
+        banned = (pad,) if pad != backend.eos_token_id else ()
+    return np.array(banned, np.int64) if len(banned) else None
 
 
 class RowCutter(Protocol):

@@ -40,11 +40,12 @@ def top_k_unordered(logits: np.ndarray, k: int) -> np.ndarray:
     return np.argpartition(logits, vocab - k, axis=-1)[:, vocab - k :]
 
 
-def score_rows(logits: np.ndarray, banned: int | None, k: int
+def score_rows(logits: np.ndarray, banned: int | np.ndarray | None, k: int
                ) -> tuple[np.ndarray, np.ndarray | None]:
     """One pass over float32 logits [R,V] for a decoder step, edited in place.
 
-    Returns each row's logsumexp [R], taken before token `banned` (if any) is set to -inf,
+    Returns each row's logsumexp [R], taken before the `banned` token or tokens [n] (if any)
+    are set to -inf,
     and the indices of each row's k largest remaining logits [R,k] in no order (None for
     k = 0). Rows go to the thread pool in blocks of a few rows, so the top-k reads a block
     while it is still in cache from the logsumexp (numpy releases the GIL in both).

@@ -60,8 +60,8 @@ class DecodingOptions:
 
     Scores with these controls: a hypothesis' score is the sum of its tokens' model
     log-probabilities, a repeated token's multiplied by the repetition penalty (as
-    transformers' beam search scores them), forced tokens 0; the bans (pad, eos before
-    min_new_tokens, repeated n-grams) never renormalise.
+    transformers' beam search scores them), forced tokens 0; the bans (the model's banned
+    tokens, eos before min_new_tokens, repeated n-grams) never renormalise.
     """
 
     max_new_tokens: int | None = None

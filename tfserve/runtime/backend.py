@@ -20,6 +20,7 @@ from tfserve.generation import StepOutput
 from tfserve.manifest import (
     GROUPED_CROSS_REVISION,
     MANIFEST_FILE,
+    TOP_CANDIDATES,
     TOP_OUTPUTS,
     GraphFacts,
     Manifest,
@@ -28,8 +29,10 @@ from tfserve.manifest import (
     encoder_io,
     read_graph_facts,
 )
-from tfserve.runtime.cache import CacheStorage, DeviceCache, HostCache
+from tfserve.runtime.cache import CacheStorage, DeviceCache, HostCache, RunCounters
 from tfserve.runtime.providers import PROVIDERS, ProviderError, make_session, parse_device
+from tfserve.runtime.shared_weights import shared_initializers
+from tfserve.runtime.step_graph import CACHE_ROWS, loads_rewritten_graphs, with_row_gather
 from tfserve.tokenizer import Tokenizer
 
 
@@ -62,37 +65,56 @@ class Runtime:
                                      self.directory)
         decoder_facts = None if self.encoder_only else _graph_facts(
             self.directory / self.manifest.decoder_file, self.directory)
-        self.encoder = _load_graph(self.directory / self.manifest.encoder_file, session_args)
+        graph_files = [self.directory / self.manifest.encoder_file]
+        if not self.encoder_only:
+            graph_files.append(self.directory / self.manifest.decoder_file)
+        # a tensor both graphs name at the same bytes (the shared embedding) is mapped once and
+        # that one buffer is given to both sessions; a device's sessions copy their
+        # initializers to it, so there is nothing to share on the host
+        shared = (shared_initializers(graph_files)
+                  if PROVIDERS[self.device_kind].memory == "cpu" else [{} for _ in graph_files])
+        # graph -> initializer name -> OrtValue; they must outlive the sessions
+        self.shared_weights: dict[str, dict[str, ort.OrtValue]] = dict(
+            zip(("encoder", "decoder"), shared))
+        self.encoder_inputs, self.encoder_outputs = encoder_io(cfg.decoder_layers)
+        self.decoder_inputs, self.decoder_outputs = decoder_io(cfg.decoder_layers)
+        self.layers = cfg.decoder_layers
+        self._past_names = self.decoder_inputs[4 : 4 + 2 * self.layers]
+        self._cross_names = self.decoder_inputs[4 + 2 * self.layers :]
+        provider = PROVIDERS[self.device_kind]
+        # an encoder-only model has no KV cache to keep anywhere: its encoder's output is
+        # fetched to the host (and DeviceCache's row graphs would have no tensors to move)
+        self.device_cache = not self.encoder_only and (
+            provider.cache_on_device if device_cache is None else device_cache)
+        # the device placement reorders a beam step's cache inside the step's one run (the
+        # decoder graph with cache_rows, tfserve.runtime.step_graph); the host placement moves
+        # only the rows that change, in place, which is cheaper there than a gather of all
+        self.reorders_in_step = self.device_cache and loads_rewritten_graphs()
+        self.encoder = _load_graph(graph_files[0], session_args, shared[0])
         self.decoder = None if self.encoder_only else _load_graph(
-            self.directory / self.manifest.decoder_file, session_args)
+            graph_files[1], session_args, shared[1],
+            with_row_gather(graph_files[1], self._past_names) if self.reorders_in_step
+            else None)
         # the session that tells the providers and threads (the decoder's, where there is one)
         self._session = self.decoder or self.encoder
         self.float_dtype = np.float16 if self.manifest.dtype == "fp16" else np.float32
-        self.encoder_inputs, self.encoder_outputs = encoder_io(cfg.decoder_layers)
-        self.decoder_inputs, self.decoder_outputs = decoder_io(cfg.decoder_layers)
         # the optional outputs of graph revision 2; older exports run without them
         graph_outputs = {output.name for output in self.decoder.get_outputs()} \
             if self.decoder is not None else set()
         self.top_outputs = [name for name in TOP_OUTPUTS if name in graph_outputs]
         if len(self.top_outputs) != len(TOP_OUTPUTS):
             self.top_outputs = []
-        self.layers = cfg.decoder_layers
-        self._past_names = self.decoder_inputs[4 : 4 + 2 * self.layers]
-        self._cross_names = self.decoder_inputs[4 + 2 * self.layers :]
         # the decoder takes cross K/V with one row per group of G rows (a sentence's beams)
         revision = self.manifest.provenance.get("graph_revision", 1)
         self.grouped_cross = revision >= GROUPED_CROSS_REVISION
         self.vocab_size = cfg.vocab_size
         self.eos_token_id = cfg.eos_token_id
         self.pad_token_id = cfg.pad_token_id
+        # the tokens no search produces (generation.banned_tokens): model.json's record
+        self.banned_token_ids = self.manifest.banned_tokens()
         self.decoder_start_token_id = cfg.decoder_start_token_id
         self.max_target_positions = cfg.max_target_positions
         self.max_source_positions = cfg.max_source_positions
-        provider = PROVIDERS[self.device_kind]
-        # an encoder-only model has no KV cache to keep anywhere: its encoder's output is
-        # fetched to the host (and DeviceCache's row graphs would have no tensors to move)
-        self.device_cache = not self.encoder_only and (
-            provider.cache_on_device if device_cache is None else device_cache)
         # where the KV cache lives between steps, chosen once: every run and row operation
         # goes through it
         cache_shape = (2 * self.layers, cfg.num_heads, cfg.head_dim, self.float_dtype)
@@ -120,8 +142,9 @@ class Runtime:
         where = self.directory / MANIFEST_FILE
         cfg = self.config
         files = {"encoder": self.manifest.encoder_file, "decoder": self.manifest.decoder_file}
+        step_inputs = [CACHE_ROWS] if self.reorders_in_step else []  # the load's rewrite
         expected = {"encoder": (self.encoder_inputs, self.encoder_outputs),
-                    "decoder": (self.decoder_inputs, self.decoder_outputs)}
+                    "decoder": (self.decoder_inputs + step_inputs, self.decoder_outputs)}
         graphs = [("encoder", self.encoder)]
         if self.decoder is not None:
             graphs.append(("decoder", self.decoder))
@@ -238,6 +261,17 @@ class Runtime:
             raise ValueError(f"{where}: model.vocab_size is {cfg.vocab_size}, but the decoder "
                              f"graph's logits have {vocab} entries ({files['decoder']})")
 
+    @property
+    def top_candidates(self) -> int:
+        """The candidates per position each step gives (generation.Backend.top_candidates):
+        the graph's top outputs' K, 0 without them."""
+        return min(TOP_CANDIDATES, self.vocab_size) if self.top_outputs else 0
+
+    @property
+    def counters(self) -> RunCounters:
+        """ONNX Runtime runs and host <-> device bytes so far (the cache placement's)."""
+        return self.cache_storage.counters
+
     def describe(self) -> dict[str, Any]:
         return {
             "device": self.device,
@@ -271,9 +305,15 @@ class Runtime:
         encoder_attention_mask: np.ndarray,
         past: list[Any],
         cross: list[Any],
+        need_logits: bool = True,
+        cache_rows: np.ndarray | None = None,
     ) -> StepOutput:
-        """One step -> logits float32 [B,T,V], the present cache [k_0, v_0, ...] and the
-        graph's top candidates when it has them (graph revision 2)."""
+        """One step -> logits float32 [B,T,V] (None unless need_logits), the present cache
+        [k_0, v_0, ...] and the graph's top candidates when it has them (graph revision 2).
+
+        cache_rows [B]: the row of `past` each row continues (None: its own), where the
+        runtime reorders in the step (`reorders_in_step`); else `past` must be in row order.
+        """
         if self.decoder is None:
             raise ValueError(f"{self.directory} is an encoder-only model (model.decoder_layers "
                              "0): it encodes, it does not generate")
@@ -283,9 +323,16 @@ class Runtime:
             "self_attention_mask": _int64(self_attention_mask),
             "encoder_attention_mask": _int64(encoder_attention_mask),
         }
+        if self.reorders_in_step:
+            small[CACHE_ROWS] = (np.arange(small["input_ids"].shape[0], dtype=np.int64)
+                                 if cache_rows is None else _int64(cache_rows))
+        elif cache_rows is not None:
+            raise ValueError("cache_rows: this runtime does not reorder in the step "
+                             "(reorders_in_step is False)")
         return self.cache_storage.run_decoder(self.decoder, small, self._past_names, past,
                                               self._cross_names, cross, self.decoder_outputs,
-                                              self.top_outputs)
+                                              self.top_outputs,
+                                              need_logits or not self.top_outputs)
 
     # -- cache rows (generation.Backend): numpy arrays or OrtValues (tfserve.runtime.cache) --
 
@@ -328,11 +375,14 @@ def _graph_facts(path: Path, directory: Path) -> GraphFacts:
     return facts
 
 
-def _load_graph(path: Path, session_args: dict[str, Any]) -> ort.InferenceSession:
-    """make_session, with ONNX Runtime's load errors (empty, truncated or foreign files,
-    missing external data) as one ValueError naming the file."""
+def _load_graph(path: Path, session_args: dict[str, Any],
+                initializers: dict[str, ort.OrtValue] | None = None,
+                model: bytes | None = None) -> ort.InferenceSession:
+    """make_session (with `initializers` taken as they are; `model`: the graph rewritten, its
+    weights in the files beside `path`), with ONNX Runtime's load errors (empty, truncated
+    or foreign files, missing external data) as one ValueError naming the file."""
     try:
-        return make_session(path, **session_args)
+        return make_session(path, **session_args, initializers=initializers, model=model)
     except ProviderError:
         raise  # the device's own message
     except Exception as exc:  # onnxruntime's own classes (InvalidProtobuf, Fail, ...)

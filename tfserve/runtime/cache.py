@@ -4,11 +4,16 @@
 graphs run with plain feeds and fetches, and row operations are numpy copies (spread over the
 numpy thread pool when large).
 
-`DeviceCache`: OrtValues in the execution provider's memory; each run uses IO binding, so the
-cross and present K/V stay on the device and are bound as the next step's inputs, and a step
-moves only token ids, masks and logits between host and device. Row operations (beam
-reorder, rows joining or leaving) run on the device too, as small ONNX graphs
-(`tfserve.runtime.cache_graphs`).
+`DeviceCache`: OrtValues in the execution provider's memory; each run uses IO binding (one
+binding per session, kept and rebound), so the cross and present K/V stay on the device and
+are bound as the next step's inputs, and a step moves only token ids, masks and the top
+candidates between host and device; the [B,T,V] logits only when the step is asked for them,
+the encoder's hidden states never (Encode reads them through `Runtime.hidden_states`). Row
+operations (beam reorder, rows joining or leaving) run on the device too, as small ONNX
+graphs (`tfserve.runtime.cache_graphs`).
+
+Both count their ONNX Runtime runs and the bytes they move between host and device memory
+(`RunCounters`), which `python -m tfserve.bench.step_profile --search` reports per step.
 
 `Runtime` picks one at construction and hands it every cache operation and every run.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +34,25 @@ from tfserve.runtime.cache_graphs import DeviceCacheOps
 POOL_MIN_BYTES = 4 << 20  # cache row operations below this total size run on one thread
 
 
+@dataclass
+class RunCounters:
+    """What a cache placement has done since it was made: ONNX Runtime runs (the graphs'
+    and the row operations'), and bytes copied from host to device memory and back. A host
+    placement moves nothing between memories: its byte counts stay 0."""
+
+    runs: int = 0
+    to_device: int = 0
+    to_host: int = 0
+
+    def snapshot(self) -> RunCounters:
+        return replace(self)
+
+    def since(self, before: RunCounters) -> RunCounters:
+        """The difference from an earlier snapshot."""
+        return RunCounters(self.runs - before.runs, self.to_device - before.to_device,
+                           self.to_host - before.to_host)
+
+
 class CacheStorage(ABC):
     """The runs of the two graphs and the `generation.Backend` cache row operations, for
     one placement of the cache. A cache is a list of 2L tensors [B,H,P,Dh]."""
@@ -37,6 +62,7 @@ class CacheStorage(ABC):
         self.tensors = tensors  # 2L: a key and a value per decoder layer
         self.heads, self.head_dim = heads, head_dim
         self.dtype = dtype
+        self.counters = RunCounters()
 
     @abstractmethod
     def run_encoder(self, encoder: ort.InferenceSession, feeds: dict[str, np.ndarray],
@@ -46,11 +72,12 @@ class CacheStorage(ABC):
     @abstractmethod
     def run_decoder(self, decoder: ort.InferenceSession, feeds: dict[str, np.ndarray],
                     past_names: list[str], past: Sequence[Any], cross_names: list[str],
-                    cross: Sequence[Any], outputs: list[str], top_outputs: list[str]
-                    ) -> StepOutput:
+                    cross: Sequence[Any], outputs: list[str], top_outputs: list[str],
+                    need_logits: bool = True) -> StepOutput:
         """One decoder run: feeds are the host inputs (ids, positions, masks); outputs[0] is
-        the logits, outputs[1:] the present K/V; top_outputs, fetched to the host after
-        them, the graph's top candidates (empty where the graph has none)."""
+        the logits (fetched only when need_logits), outputs[1:] the present K/V;
+        top_outputs, fetched to the host after them, the graph's top candidates (empty
+        where the graph has none)."""
 
     @abstractmethod
     def empty_past(self, rows: int) -> list[Any]:
@@ -85,20 +112,22 @@ class HostCache(CacheStorage):
 
     def run_encoder(self, encoder: ort.InferenceSession, feeds: dict[str, np.ndarray],
                     outputs: list[str]) -> tuple[np.ndarray, list[Any]]:
+        self.counters.runs += 1
         hidden, *cross = encoder.run(outputs, feeds)
         return hidden, cross
 
     def run_decoder(self, decoder: ort.InferenceSession, feeds: dict[str, np.ndarray],
                     past_names: list[str], past: Sequence[Any], cross_names: list[str],
-                    cross: Sequence[Any], outputs: list[str], top_outputs: list[str]
-                    ) -> StepOutput:
+                    cross: Sequence[Any], outputs: list[str], top_outputs: list[str],
+                    need_logits: bool = True) -> StepOutput:
         feeds = dict(feeds)
         feeds.update(zip(past_names, past))
         feeds.update(zip(cross_names, cross))
-        logits, *rest = decoder.run(outputs + top_outputs, feeds)
+        self.counters.runs += 1
+        fetched = decoder.run((outputs if need_logits else outputs[1:]) + top_outputs, feeds)
+        logits = fetched.pop(0).astype(np.float32, copy=False) if need_logits else None
         cache_end = len(outputs) - 1
-        return StepOutput(logits.astype(np.float32, copy=False), rest[:cache_end],
-                          *rest[cache_end:])
+        return StepOutput(logits, fetched[:cache_end], *fetched[cache_end:])
 
     def empty_past(self, rows: int) -> list[Any]:
         return self._zeros(rows)
@@ -195,47 +224,75 @@ class DeviceCache(CacheStorage):
                  memory: str, index: int, providers: list[Any]) -> None:
         super().__init__(tensors, heads, head_dim, dtype)
         self.memory, self.index = memory, index
-        self.ops = DeviceCacheOps(tensors, dtype, memory, index, providers)
+        self.ops = DeviceCacheOps(tensors, dtype, memory, index, providers, self.counters)
+        # one IO binding per session, rebound every run: inputs replace their previous
+        # binding by name; outputs are cleared and bound again (whether the logits are
+        # fetched changes from step to step)
+        self._bindings: dict[int, ort.IOBinding] = {}
 
-    def run_encoder(self, encoder: ort.InferenceSession, feeds: dict[str, np.ndarray],
-                    outputs: list[str]) -> tuple[np.ndarray, list[Any]]:
-        binding = encoder.io_binding()
+    def _binding(self, session: ort.InferenceSession) -> ort.IOBinding:
+        binding = self._bindings.get(id(session))
+        if binding is None:
+            binding = self._bindings[id(session)] = session.io_binding()
+        binding.clear_binding_outputs()
+        return binding
+
+    def _bind_host_inputs(self, binding: ort.IOBinding, feeds: dict[str, np.ndarray]) -> None:
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
-        binding.bind_output(outputs[0], "cpu")
-        for name in outputs[1:]:
+            self.counters.to_device += value.nbytes
+
+    def _fetch(self, value: ort.OrtValue) -> np.ndarray:
+        """An output bound to host memory, as numpy."""
+        array = value.numpy()
+        self.counters.to_host += array.nbytes
+        return array
+
+    def run_encoder(self, encoder: ort.InferenceSession, feeds: dict[str, np.ndarray],
+                    outputs: list[str]) -> tuple[Any, list[Any]]:
+        """-> the hidden states [B,S,D] as an OrtValue on the device (the search has no use
+        for them on the host), and the cross K/V there."""
+        binding = self._binding(encoder)
+        self._bind_host_inputs(binding, feeds)
+        for name in outputs:
             binding.bind_output(name, self.memory, self.index)
+        self.counters.runs += 1
         encoder.run_with_iobinding(binding)
         values = binding.get_outputs()
-        return values[0].numpy(), list(values[1:])
+        return values[0], list(values[1:])
 
     def run_decoder(self, decoder: ort.InferenceSession, feeds: dict[str, np.ndarray],
                     past_names: list[str], past: Sequence[Any], cross_names: list[str],
-                    cross: Sequence[Any], outputs: list[str], top_outputs: list[str]
-                    ) -> StepOutput:
-        binding = decoder.io_binding()
-        for name, value in feeds.items():
-            binding.bind_cpu_input(name, value)
+                    cross: Sequence[Any], outputs: list[str], top_outputs: list[str],
+                    need_logits: bool = True) -> StepOutput:
+        binding = self._binding(decoder)
+        self._bind_host_inputs(binding, feeds)
         for name, value in zip(past_names + cross_names, list(past) + list(cross)):
             binding.bind_ortvalue_input(name, self._device_value(value))
-        binding.bind_output(outputs[0], "cpu")
+        if need_logits:  # else the logits stay unbound: made on the device, never copied
+            binding.bind_output(outputs[0], "cpu")
         for name in outputs[1:]:
             binding.bind_output(name, self.memory, self.index)
         for name in top_outputs:
             binding.bind_output(name, "cpu")
+        self.counters.runs += 1
         decoder.run_with_iobinding(binding)
         values = binding.get_outputs()
-        cache_end = len(outputs)
-        return StepOutput(values[0].numpy().astype(np.float32, copy=False),
-                          list(values[1:cache_end]),
-                          *[value.numpy() for value in values[cache_end:]])
+        logits = None
+        if need_logits:
+            logits = self._fetch(values[0]).astype(np.float32, copy=False)
+            values = values[1:]
+        cache_end = len(outputs) - 1
+        return StepOutput(logits, list(values[:cache_end]),
+                          *[self._fetch(value) for value in values[cache_end:]])
 
     def _device_value(self, value: Any) -> ort.OrtValue:
         """A tensor as an OrtValue on the device (copied there when it is a numpy array)."""
         if isinstance(value, ort.OrtValue):
             return value
-        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self.memory,
-                                                self.index)
+        array = np.ascontiguousarray(value)
+        self.counters.to_device += array.nbytes
+        return ort.OrtValue.ortvalue_from_numpy(array, self.memory, self.index)
 
     def _device(self, cache: Sequence[Any]) -> list[ort.OrtValue]:
         return [self._device_value(v) for v in cache]

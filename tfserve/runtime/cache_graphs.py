@@ -14,10 +14,13 @@ The same code runs on CPU with CPU OrtValues, which is how the tests check it wi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnxruntime as ort
+
+if TYPE_CHECKING:
+    from tfserve.runtime.cache import RunCounters
 
 OPSET = 17
 
@@ -60,10 +63,12 @@ class DeviceCacheOps:
     """take / concat / pad / slice over lists of OrtValues on one device."""
 
     def __init__(self, count: int, dtype: np.dtype, device_kind: str, device_index: int,
-                 providers: list[Any]) -> None:
+                 providers: list[Any], counters: RunCounters | None = None) -> None:
+        """counters: a `RunCounters` that the runs and their host inputs are added to."""
         from onnx import TensorProto
 
         self.count = count
+        self.counters = counters
         self.device_kind, self.device_index = device_kind, device_index
         elem = TensorProto.FLOAT16 if np.dtype(dtype) == np.float16 else TensorProto.FLOAT
         options = ort.SessionOptions()
@@ -82,11 +87,17 @@ class DeviceCacheOps:
         for i in range(self.count):
             for j in range(arity):
                 binding.bind_ortvalue_input(f"x{i}_{j}", tensors[i * arity + j])
+        moved = 0
         for name, value in small.items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(value, dtype=np.int64))
+            value = np.ascontiguousarray(value, dtype=np.int64)
+            binding.bind_cpu_input(name, value)
+            moved += value.nbytes
         for i in range(self.count):
             binding.bind_output(f"y{i}", self.device_kind, self.device_index)
         session.run_with_iobinding(binding)
+        if self.counters is not None:
+            self.counters.runs += 1
+            self.counters.to_device += moved
         return list(binding.get_outputs())
 
     def take(self, cache: Sequence[ort.OrtValue], index: np.ndarray) -> list[ort.OrtValue]:

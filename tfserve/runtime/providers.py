@@ -20,6 +20,8 @@ from typing import Any
 
 import onnxruntime as ort
 
+from tfserve.runtime.step_graph import EXTERNAL_DATA_FOLDER
+
 SHARED_ARENA_INITIAL_BYTES = 512 << 20  # address space reserved up front; RSS only when used
 _shared_arena_lock = threading.Lock()
 _shared_arena_registered = False
@@ -120,6 +122,7 @@ def make_session(
     allow_spinning: bool = False,
     shared_arena: bool = True,
     initializers: Mapping[str, ort.OrtValue] | None = None,
+    model: bytes | None = None,
 ) -> ort.InferenceSession:
     """One InferenceSession with explicit threads and optimization level.
 
@@ -131,6 +134,8 @@ def make_session(
     graph's files (`SessionOptions.add_initializer`), by initializer name: one OrtValue given
     to several sessions is one copy in memory (`tfserve.runtime.shared_weights`). They must
     outlive the session.
+    model: the graph as bytes (a rewrite of the file at `path`, `tfserve.runtime.step_graph`),
+    its external data read from the files beside `path`.
     """
     kind, index = parse_device(device)
     provider = PROVIDERS[kind]
@@ -156,6 +161,8 @@ def make_session(
         options.add_session_config_entry("session.use_env_allocators", "1")
     for name, value in (initializers or {}).items():
         options.add_initializer(name, value)
+    if model is not None:
+        options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(Path(path).parent))
     # fatal only: every error of a run reaches the caller as an exception, which the server
     # logs as one record (ONNX Runtime's own line on stderr would say it a second time)
     options.log_severity_level = 4
@@ -165,8 +172,8 @@ def make_session(
             f"device '{kind}' needs {provider.requirement}; this onnxruntime offers "
             f"{available} ({provider.install})"
         )
-    session = ort.InferenceSession(str(path), sess_options=options,
-                                   providers=provider_list(kind, index))
+    session = ort.InferenceSession(str(path) if model is None else model,
+                                   sess_options=options, providers=provider_list(kind, index))
     if provider.ort_name not in session.get_providers():
         # onnxruntime falls back to the next provider with only a warning when the device's
         # libraries or driver are missing: a server asked for a GPU must not quietly serve
