@@ -800,9 +800,10 @@ def test_an_empty_repository_serves_once_a_model_is_added(tmp_path: Path,
         with pytest.raises(ServerError) as raised:
             client.translate(["seven"])
         assert raised.value.code() == grpc.StatusCode.NOT_FOUND
-        assert raised.value.details() == (f"no model is served: --model-repository "
-                                          f"{repository} holds no model now (a subdirectory "
-                                          "with a model.json)")
+        assert raised.value.details() == ("no model is served: the model repository "
+                                          "(--model-repository) holds no model now (a "
+                                          "subdirectory with a model.json)")
+        assert str(repository) not in raised.value.details()  # no server path to clients
         assert client.list_models() == []
         shutil.copytree(random_model, repository / "alpha")
         rescan(server)

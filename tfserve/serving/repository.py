@@ -194,8 +194,9 @@ class ModelRepository:
     def _names_text(self) -> str:
         names = list(self.slots)
         if not names:
-            return (f"--model-repository {self.directory} holds no model now (a subdirectory "
-                    "with a model.json)")
+            # clients never see the server's paths: the directory is in the server's log
+            return ("the model repository (--model-repository) holds no model now (a "
+                    "subdirectory with a model.json)")
         shown_names = ", ".join(names[:MAX_NAMES_SHOWN])
         more = f" and {len(names) - MAX_NAMES_SHOWN} more" if len(names) > MAX_NAMES_SHOWN else ""
         return f"the models are: {shown_names}{more} (ListModels, GET /v1/models)"
