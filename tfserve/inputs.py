@@ -88,6 +88,6 @@ def check_texts(texts: Any, max_texts: int = DEFAULT_MAX_TEXTS) -> list[str]:
     for index, text in enumerate(texts):
         if not isinstance(text, str):
             raise ValueError(f"texts[{index}] must be a string, got {type(text).__name__}")
-        if not text.strip():
+        if not text or text.isspace():  # not strip(): a copy of a text of up to 16 MB
             raise ValueError(f"texts[{index}] is empty")
     return list(texts)

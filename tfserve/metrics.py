@@ -150,6 +150,11 @@ class Metrics:
                                      "Calls refused for their bearer token, by transport (grpc, "
                                      "http) and reason (missing, wrong, repeated)",
                                      ["transport", "reason"], registry=r)
+        # the process's freed memory handed back after large requests (serving/calls.py)
+        self.large_requests_trimmed = Counter(
+            "tfserve_large_requests_trimmed",
+            "Large requests (a message of 1 MiB or more) whose memory was handed back to the "
+            "kernel after they ended", registry=r)
         self._http: Any = None
         self._http_thread: threading.Thread | None = None
 

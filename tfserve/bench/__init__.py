@@ -5,6 +5,8 @@
   offline (`python -m tfserve.bench.loadgen`, or `python -m tfserve bench --server HOST:PORT`);
 - `compare`, `engines`, `report`: tfserve vs CTranslate2 vs Hugging Face on one Marian model
   (`python -m tfserve.bench.compare`);
+- `large_requests`: a server's resident memory under large refused requests
+  (`python -m tfserve.bench.large_requests`);
 - `models`: the random models and inputs they build; `common`: timing, percentiles, CPU and
   RSS readers, the quiet export.
 

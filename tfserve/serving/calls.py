@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from tfserve.metrics import Metrics
+from tfserve.process import trim_freed_memory
 from tfserve.scheduler import Cancelled, Job, ModelError
 from tfserve.serving.requests import check_request_id
 from tfserve.serving.status import (
@@ -53,6 +54,79 @@ CALL_ENDED = (asyncio.CancelledError, GeneratorExit)
 log = logging.getLogger("tfserve.server")
 access_log = logging.getLogger("tfserve.access")
 
+# a request message at least this large is a large request: once the large requests in
+# flight have all ended, the memory glibc kept free is handed back (FreedMemory). Far above
+# what translation requests weigh (a 256-text request of 40-character texts: ~11 KB)
+LARGE_REQUEST_BYTES = 1 << 20
+
+
+class FreedMemory:
+    """Hands the memory glibc keeps free back to the kernel once the large requests in
+    flight have all ended (`started` / `ended`, one of each per large request).
+
+    The server lets glibc keep freed memory (tfserve.process.keep_freed_memory) for the
+    decoder's next join. The received message of a large request (up to
+    --max-message-bytes), its parsed copy and its texts would then stay with the process
+    once the request ended, and so would the most that large requests ever held at once.
+    Not while a large request is in flight: its memory is still in use, and a flood of them
+    would pay the page faults of each again. The trim (malloc_trim) runs on a thread of its
+    own, one at a time: it took 15-17 ms after a 15 MB request, which the event loop would
+    otherwise wait for. Requests that end while one runs are covered by the next.
+    tfserve_large_requests_trimmed_total counts the large requests whose memory a finished
+    trim handed back.
+    """
+
+    def __init__(self, metrics: Metrics, trim: Callable[[], object] = trim_freed_memory
+                 ) -> None:
+        self.metrics = metrics
+        self.trim = trim
+        self.in_flight = 0  # large requests not ended yet
+        self._untrimmed = 0  # large requests ended since the last trim started
+        self._running = False
+        self._again = False  # the requests in flight all ended while a trim ran
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def started(self) -> None:
+        self.in_flight += 1
+
+    def ended(self) -> None:
+        """On the event loop (or without one: then the trim runs at once)."""
+        self.in_flight -= 1
+        self._untrimmed += 1
+        if self.in_flight == 0:
+            self._start()
+
+    def _start(self) -> None:
+        if self._running:
+            self._again = True
+            return
+        covered, self._untrimmed = self._untrimmed, 0
+        self._running = True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.trim()
+            self._done(covered)
+            return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="tfserve-trim")
+        trimmed = loop.run_in_executor(self._executor, self.trim)
+        trimmed.add_done_callback(lambda future: self._finished(future, covered))
+
+    def _finished(self, future: asyncio.Future[object], covered: int) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("handing freed memory back failed: %r", future.exception())
+        self._done(covered)
+
+    def _done(self, covered: int) -> None:
+        self._running = False
+        self.metrics.large_requests_trimmed.inc(covered)
+        if self._again:
+            self._again = False
+            if self.in_flight == 0 and self._untrimmed:
+                self._start()
+
 
 class Calls:
     """The server's calls: in-flight count and idle event, draining flag, RPC metrics, and
@@ -61,11 +135,14 @@ class Calls:
 
     def __init__(self, metrics: Metrics, max_message_bytes: int,
                  tracing: Tracing | None = None,
-                 release: Callable[[LoadedModel], None] | None = None) -> None:
+                 release: Callable[[LoadedModel], None] | None = None,
+                 trim: Callable[[], object] = trim_freed_memory) -> None:
+        """`trim`: hands freed memory back to the kernel (FreedMemory)."""
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.tracing = tracing
         self.release = release
+        self.freed_memory = FreedMemory(metrics, trim)  # the large requests
         self.draining = False
         self.in_flight = 0
         self.idle = asyncio.Event()  # set while no call is in flight
@@ -141,6 +218,7 @@ class Call:
         self.started = time.perf_counter()
         self.job: Job | None = None
         self.model: LoadedModel | None = None
+        self.large = False  # counted in calls.freed_memory (received)
         self._model_name = ""  # the model's name, kept past its release for the span
         self.texts = 0
         self.peer = peer
@@ -159,6 +237,24 @@ class Call:
             self.span = calls.tracing.start(
                 trace_name or f"{SERVICE}/{rpc}", rpc, self.request_id,
                 trace_carrier)
+
+    def received(self, size: int) -> None:
+        """The request message is `size` bytes (as received: protobuf, or the JSON body).
+        A large one is counted in Calls.freed_memory until `released` (by default when the
+        call finishes), which then hands the memory back. Called once, before `finish`."""
+        if size >= LARGE_REQUEST_BYTES and not self.large:
+            self.large = True
+            self.calls.freed_memory.started()
+
+    # whether finish() counts a large request as released; a transport that knows a later
+    # moment, when its own references to the request are gone too, calls released() then
+    release_at_finish = True
+
+    def released(self) -> None:
+        """The call's request is no longer held (FreedMemory.ended, for a large one)."""
+        if self.large:
+            self.large = False
+            self.calls.freed_memory.ended()
 
     def begin(self) -> None:
         """Count the call in flight; refuse it while draining or when its input is invalid."""
@@ -235,6 +331,7 @@ class Call:
         status, details = status_for(exc)
         if status == Status.INTERNAL and not isinstance(exc, (ModelError, ModelLoadFailed)):
             log.error("%s %s failed", self.rpc, self.request_id, exc_info=exc)
+        drop_tracebacks(exc)
         if self.job is not None:
             self.job.cancel()  # a failure outside the scheduler: stop its work too
         self.finish(status, details)
@@ -243,6 +340,8 @@ class Call:
     def finish(self, status: Status, details: str = "") -> None:
         """Count the call as ended with `status`, write its access-log record, end its span."""
         elapsed = time.perf_counter() - self.started
+        if self.release_at_finish:
+            self.released()
         model = self.model
         name = self._model_name = model.name if model is not None else self._model_name
         self.calls.finished(self.rpc, status, elapsed, name)
@@ -280,6 +379,29 @@ class Call:
                                    self.span_error(status), self._model_name)
         except Exception:
             log.exception("%s %s: ending its trace span failed", self.rpc, self.request_id)
+
+
+def drop_tracebacks(exc: BaseException) -> None:
+    """Drop the tracebacks of a failure that is answered (and logged already), and of the
+    exceptions it was raised from or during.
+
+    A traceback holds the frames the exception went through, with their variables: the
+    request's message, its body, its texts. An exception kept in one of those frames (an
+    `except ... as exc` that raises another, as messages.from_json does; a front end that
+    keeps a body's error to raise once the call has begun) makes a reference cycle of them,
+    freed by the cyclic garbage collector only. That collector counts objects, not bytes,
+    and a refused request allocates few objects: 15 MB bodies that were not JSON, sent one
+    after another over HTTP, were kept alive by the dozen.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = None
+        pending += (current.__cause__, current.__context__)
 
 
 def _settle(waiter: asyncio.Future[Any], done: concurrent.futures.Future[Any]) -> None:

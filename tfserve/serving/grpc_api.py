@@ -6,14 +6,17 @@ with `tfserve.serving.messages`, which the HTTP adapter uses too). `GrpcCall` ad
 core's `Call` what only gRPC knows: the peer, the `x-request-id` metadata in and out, the
 deadline, and answering a `Status` as a `grpc.StatusCode` (`GRPC_CODES`). Request messages
 that do not parse become `Malformed` (`lenient_parser`), so that they are answered
-INVALID_ARGUMENT through the usual path (logged, counted) instead of grpc's UNKNOWN.
+INVALID_ARGUMENT through the usual path (logged, counted) instead of grpc's UNKNOWN; the
+parser hands each on as `Received`, with its size (`Call.received`). A failed call is
+answered with the status set on the context, never by raising `context.abort`
+(`GrpcCall.fail` says why).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf import message_factory
@@ -49,22 +52,32 @@ class Malformed:
 
     def __init__(self, message_name: str, error: BaseException) -> None:
         self.message_name = message_name
-        self.error = error
+        # the error's text, not the error: its traceback holds the parser's frame, and with
+        # it the whole received message
+        self.error = f"{type(error).__name__}: {str(error)[:200]}"
 
     def invalid(self) -> InvalidArgument:
         return InvalidArgument(f"the request is not a valid {self.message_name} message "
-                               f"({type(self.error).__name__}: {str(self.error)[:200]})")
+                               f"({self.error})")
 
 
-def lenient_parser(message_class: Any) -> Callable[[bytes], Any]:
+class Received(NamedTuple):
+    """A request as the handlers get it: the message (or Malformed) and its size in bytes
+    as received (a large one hands memory back when its call ends: Call.received)."""
+
+    message: Any
+    size: int
+
+
+def lenient_parser(message_class: Any) -> Callable[[bytes], Received]:
     """A request deserializer that returns Malformed instead of raising."""
     name = message_class.DESCRIPTOR.full_name
 
-    def parse(data: bytes) -> Any:
+    def parse(data: bytes) -> Received:
         try:
-            return message_class.FromString(data)
+            return Received(message_class.FromString(data), len(data))
         except Exception as exc:  # DecodeError, invalid UTF-8 in a string field, ...
-            return Malformed(name, exc)
+            return Received(Malformed(name, exc), len(data))
 
     return parse
 
@@ -77,7 +90,8 @@ class GrpcCall(Call):
     deadline from the context, the id echoed back in metadata, failures as statuses."""
 
     def __init__(self, core: ServingCore, rpc: str, request: Any,
-                 context: grpc.aio.ServicerContext, streaming: bool = False) -> None:
+                 context: grpc.aio.ServicerContext, streaming: bool = False,
+                 request_bytes: int = 0) -> None:
         metadata = dict(context.invocation_metadata() or ())
         given = getattr(request, "request_id", "") or metadata.get(REQUEST_ID_KEY) or ""
         # the peer is read now: once the call has ended (a cancelled stream), grpc's context
@@ -89,6 +103,16 @@ class GrpcCall(Call):
         self.context = context
         self.streaming = streaming
         self.metadata_sent = False
+        self.received(request_bytes)
+        if self.large:
+            # released once grpc's own coroutine, which holds the received bytes and the
+            # message until the status is sent, has ended: only then can the memory go.
+            # The callback holds `freed`, not this call: the context holds the callback
+            freed = self.calls.freed_memory
+            context.add_done_callback(lambda _context: freed.ended())
+
+    # a large request is released by the context's done callback (above), not at finish()
+    release_at_finish = False
 
     def sized(self, message: Any) -> Any:
         """The message, or ResponseTooLarge when grpc would refuse to send it."""
@@ -118,14 +142,23 @@ class GrpcCall(Call):
         await self.send_metadata()
         return await waiter
 
-    async def fail(self, exc: BaseException) -> NoReturn:
-        """Record the failure, then abort with its status (or re-raise a cancellation)."""
+    async def fail(self, exc: BaseException) -> None:
+        """Record the failure and set its status on the context (or re-raise a
+        cancellation); the handler then ends without a response, and grpc sends the status.
+
+        Not `context.abort`: grpc keeps the AbortError it raises on the call's state, which
+        the handler's frames in its traceback reach again (through the context): a reference
+        cycle that holds the request message (up to --max-message-bytes, and the texts
+        decoded from it) until the cyclic garbage collector runs. That collector counts
+        objects, not bytes, and a refused request allocates few of them, so a client sending
+        refused 15 MB requests kept dozens of them alive at once (docs/server.md, Memory).
+        """
         status, details = self.failed(exc)
         if isinstance(exc, CALL_ENDED):
             raise exc
         await self.send_metadata()
-        await self.context.abort(GRPC_CODES[status], details)
-        raise AssertionError("unreachable: abort raises")
+        self.context.set_code(GRPC_CODES[status])
+        self.context.set_details(details)
 
 
 Handler = Callable[..., Awaitable[Any]]
@@ -135,15 +168,17 @@ def unary(rpc: str) -> Callable[[Handler], Handler]:
     """Wrap a unary servicer method `(self, request, call) -> response` in a GrpcCall."""
 
     def wrap(method: Handler) -> Handler:
-        async def handler(self: TranslatorService, request: Any,
+        async def handler(self: TranslatorService, received: Received,
                           context: grpc.aio.ServicerContext) -> Any:
-            call = GrpcCall(self.core, rpc, request, context)
+            request = received.message
+            call = GrpcCall(self.core, rpc, request, context, request_bytes=received.size)
             try:
                 call.begin()
                 response = await method(self, request, call)
                 await call.send_metadata()
             except BaseException as exc:
                 await call.fail(exc)
+                return None  # the status set by fail() is sent, without a message
             call.finish(Status.OK)
             return response
 
@@ -158,9 +193,11 @@ def streaming(rpc: str) -> Callable[[Callable[..., AsyncIterator[Any]]],
     """Wrap a server-streaming servicer method (an async generator) the same way."""
 
     def wrap(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-        async def handler(self: TranslatorService, request: Any,
+        async def handler(self: TranslatorService, received: Received,
                           context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            call = GrpcCall(self.core, rpc, request, context, streaming=True)
+            request = received.message
+            call = GrpcCall(self.core, rpc, request, context, streaming=True,
+                            request_bytes=received.size)
             try:
                 call.begin()
                 async for chunk in method(self, request, call):
@@ -169,6 +206,7 @@ def streaming(rpc: str) -> Callable[[Callable[..., AsyncIterator[Any]]],
                 await call.send_metadata()
             except BaseException as exc:
                 await call.fail(exc)
+                return  # the stream ends with the status set by fail()
             call.finish(Status.OK)
 
         handler.__name__ = method.__name__
