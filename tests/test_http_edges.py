@@ -166,6 +166,8 @@ def test_slow_headers_and_bodies_are_closed(random_model: Path, runtime: Any) ->
         assert dropped(server, "body_timeout") == 2
         server.wait_until(lambda: open_connections(server) == 0)
         assert server.server.in_flight == 0  # bodies never read: no call began
+        assert server.metrics.value("tfserve_requests_total", {
+            "rpc": "Translate", "code": "CANCELLED"}) == 0  # nor ended
         # a request that arrives at once is answered, and its connection serves the next one
         # (an idle keep-alive connection is not a slow request)
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=SAFETY)
@@ -501,3 +503,127 @@ def test_the_open_file_limit_is_raised_for_the_connection_limits() -> None:
         assert int(done.stdout) == soft
         records = [json.loads(line) for line in done.stderr.splitlines()]
         assert [r.get("event") for r in records] == (["open_files"] if warned else []), records
+
+
+# -- 2. request bodies that break their framing -------------------------------------------------
+
+
+BODY_HEAD = (b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Expect: 100-continue\r\nx-request-id: %s\r\n")
+
+
+def until_continued(sock: socket.socket) -> None:
+    """Wait for the server's `100 Continue`: the request's headers are in and its handler
+    runs, so the bytes sent next reach it as its body (sent with the headers, bytes that break
+    the body's framing are refused with the headers, before any handler)."""
+    received = b""
+    while not received.endswith(b"\r\n\r\n"):
+        chunk = sock.recv(1)
+        assert chunk, f"the server closed the connection; got {received!r}"
+        received += chunk
+    assert received.startswith(b"HTTP/1.1 100 "), received
+
+
+def call_records(caplog: pytest.LogCaptureFixture, request_id: str) -> list[tuple[str, str]]:
+    return [(r.fields["rpc"], r.fields["status"])  # type: ignore[attr-defined]
+            for r in caplog.records if r.name == "tfserve.access"
+            and getattr(r, "fields", {}).get("request_id") == request_id]
+
+
+BAD_CHUNKS = {  # bodies that break chunked encoding, each followed by a valid end
+    "bad-size": b"zz\r\n{\"texts\": [\"seven\"]}\r\n0\r\n\r\n",
+    "no-crlf-after-data": b"2\r\n{}XX\r\n0\r\n\r\n",
+}
+
+
+def test_a_body_breaking_chunked_encoding_is_a_400_naming_it(
+        random_model: Path, runtime: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A chunked body whose framing is broken (a chunk size that is not hexadecimal, chunk data
+    not followed by CRLF) while its handler reads it: a 400 naming the problem without the
+    body's bytes, the connection closed after it (its bytes no longer frame requests), one
+    access record (INVALID_ARGUMENT) and the call counted; no error logged, no traceback."""
+    port = free_port()
+    with ServerThread(server_args(random_model, "--http-port", str(port)),
+                      runtime=runtime) as server:
+        counted = server.metrics.value("tfserve_requests_total", {
+            "rpc": "Translate", "code": "INVALID_ARGUMENT"})
+        for name, body in BAD_CHUNKS.items():
+            with connect(port) as sock:
+                sock.sendall(BODY_HEAD % name.encode() + b"Transfer-Encoding: chunked\r\n\r\n")
+                until_continued(sock)
+                sock.sendall(body)
+                answer = until_closed(sock)
+            head, _, payload = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400 "), answer
+            error = json.loads(payload)["error"]
+            assert error["code"] == "INVALID_ARGUMENT", answer
+            assert error["message"].startswith(
+                "the request body is not valid chunked encoding"), answer
+            assert "\n" not in error["message"] and "zz" not in error["message"]
+            assert "XX" not in error["message"]
+            assert call_records(caplog, name) == [("Translate", "INVALID_ARGUMENT")]
+        assert server.metrics.value("tfserve_requests_total", {
+            "rpc": "Translate", "code": "INVALID_ARGUMENT"}) == counted + len(BAD_CHUNKS)
+    loud = [f"{r.name}: {r.getMessage()}" for r in caplog.records
+            if r.levelno >= logging.ERROR or r.exc_info]
+    assert loud == []
+
+
+CUT_BODIES = {  # the client sends part of the body, then closes the connection
+    "cut-chunked": b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n",
+    "cut-length": b"Content-Length: 100\r\n\r\n{\"texts\"",
+}
+
+
+def test_a_client_leaving_mid_body_is_one_cancelled_record(
+        random_model: Path, runtime: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A body that ends before its last chunk, or before its Content-Length, because the
+    client closed the connection: the call is CANCELLED (one access record, counted), and
+    nothing is logged at error level, no traceback."""
+    port = free_port()
+    with ServerThread(server_args(random_model, "--http-port", str(port)),
+                      runtime=runtime) as server:
+        for count, (name, rest) in enumerate(CUT_BODIES.items(), 1):
+            with connect(port) as sock:
+                sock.sendall(BODY_HEAD % name.encode() + rest.partition(b"\r\n\r\n")[0]
+                             + b"\r\n\r\n")
+                until_continued(sock)
+                sock.sendall(rest.partition(b"\r\n\r\n")[2])
+            server.wait_until(lambda count=count: server.metrics.value(
+                "tfserve_requests_total", {"rpc": "Translate", "code": "CANCELLED"}) == count)
+            assert call_records(caplog, name) == [("Translate", "CANCELLED")]
+        server.wait_until(lambda: server.server.in_flight == 0
+                          and open_connections(server) == 0)
+    loud = [f"{r.name}: {r.getMessage()}" for r in caplog.records
+            if r.levelno >= logging.ERROR or r.exc_info]
+    assert loud == []
+
+
+# -- 4. aiohttp's answer to a malformed request -------------------------------------------------
+
+
+def test_the_answer_to_a_malformed_request_holds_none_of_its_bytes(
+        random_model: Path, runtime: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Malformed requests that carry the bearer token (MALFORMED, and a broken chunked body
+    sent with its headers): each is answered with the server's JSON error, a fixed message
+    naming what is wrong, and neither the answer nor the log holds the token or a piece of it."""
+    port = free_port()
+    broken_body = (b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                   b"Transfer-Encoding: chunked\r\n\r\nzz%s\r\n")
+    with ServerThread(server_args(random_model, "--http-port", str(port), "--auth-token",
+                                  TOKEN), runtime=runtime):
+        for raw in (*MALFORMED, broken_body):
+            with connect(port) as sock:
+                sock.sendall(raw.replace(b"%s", TOKEN.encode()))
+                answer = until_closed(sock)
+            assert not [part for part in token_parts(TOKEN) if part.encode() in answer], answer
+            head, _, payload = answer.partition(b"\r\n\r\n")
+            assert re.match(rb"HTTP/1\.[01] (400|431) ", head), answer
+            assert b"application/json" in head, answer
+            error = json.loads(payload)["error"]
+            assert error["code"] == "INVALID_ARGUMENT", answer
+            assert error["message"].startswith("malformed HTTP request: "), answer
+            assert "Bearer" not in error["message"] and "\n" not in error["message"]
+    for record in caplog.records:
+        text = f"{record.getMessage()} {getattr(record, 'fields', '')} {record.exc_info}"
+        assert not [part for part in token_parts(TOKEN) if part in text], text

@@ -29,12 +29,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import (
+    ContentEncodingError,
+    HttpProcessingError,
+    InvalidURLError,
+    TransferEncodingError,
+)
 from multidict import CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -149,6 +156,14 @@ class HttpCall(Call):
                          time_remaining=seconds or None, invalid=timeout_error,
                          trace_carrier=request.headers,
                          trace_name=f"{request.method} {request.path}")
+        self.received(request.content_length or 0)
+        task = asyncio.current_task()
+        if self.large and task is not None:
+            # released once aiohttp's task for this request (the handler's frames, with the
+            # message and its texts) has ended; the callback holds `freed`, not this call
+            freed = self.calls.freed_memory
+            task.add_done_callback(lambda _task: freed.ended())
+            self.release_at_finish = False
 
     def span_error(self, status: Status) -> bool:
         """OpenTelemetry's rule for HTTP server spans: only a 5xx answer is an error."""
@@ -181,15 +196,23 @@ async def read_message(request: web.Request, message_class: Any) -> Any:
         given = request.headers.get("Content-Type")
         raise InvalidArgument("the request body must be JSON: Content-Type application/json, "
                               f"got {shown(given) if given else 'none'}")
-    try:
-        body = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise BodyTooLarge(f"the request body is over the server's --max-message-bytes of "
-                           f"{request.app[MAX_BODY]} bytes") from None
+    # read from the stream, not with request.read(), which keeps the body on the request:
+    # aiohttp holds a keep-alive connection's last request until the next one comes, and
+    # with it a body of up to --max-message-bytes long after its call ended
+    limit = request.app[MAX_BODY]
+    body = bytearray()
+    while chunk := await request.content.readany():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge(f"the request body is over the server's --max-message-bytes "
+                               f"of {limit} bytes")
     return from_json(body, message_class)
 
 
 MAX_BODY = web.AppKey("max_body", int)
+# set on a request whose connection the server closed while its body was still to come
+# (--http-body-timeout-seconds, tfserve.serving.http_server): no call is made of it
+BODY_DROPPED = web.RequestKey("body_dropped", bool)
 
 
 # -- the routes -----------------------------------------------------------------------------
@@ -268,14 +291,26 @@ class HttpApi:
             (route.operation for route in ROUTES), core.config, CALL_HEADERS)).encode()
 
     async def _call(self, request: web.Request, rpc: str, message_class: Any
-                    ) -> tuple[HttpCall, Any, Exception | None]:
+                    ) -> tuple[HttpCall, Any, BaseException | None]:
         """The call, its request message (None without a body, or a body that is not one)
         and why the body is not one: raised once the call has begun, so that it is counted
         and logged like any failed call."""
-        message, body_error = None, None
+        message: Any = None
+        body_error: BaseException | None = None
         if message_class is not None:
             try:
                 message = await read_message(request, message_class)
+            except (asyncio.CancelledError, ConnectionError):
+                # the connection was lost before the body's end (the handler is cancelled
+                # with it, or its read finds the body cut off): unless the server closed it
+                # for its late body (not a call), the client left, and the call is CANCELLED
+                # (one access record), as when it leaves later
+                if request.get(BODY_DROPPED):
+                    raise
+                body_error = asyncio.CancelledError()
+            except (HttpProcessingError, web.RequestPayloadError) as exc:
+                # the body's bytes break its framing: the client's error, a 400 naming it
+                body_error = InvalidArgument(body_problem(request, exc))
             except Exception as exc:  # InvalidArgument, BodyTooLarge; anything else is the
                 # call's INTERNAL error, logged and counted like any failed call's
                 body_error = exc
@@ -440,6 +475,47 @@ class HttpApi:
             return error_response(Status.NOT_FOUND.name,
                                   f"{request.method} {request.path}: no such file", 404)
         return web.FileResponse(path)
+
+
+# aiohttp's parse errors whose message may be the refused bytes alone (a URL, a chunk size
+# line), unquoted: named by their kind instead
+_UNQUOTED = {InvalidURLError: "Invalid URL", TransferEncodingError: "Invalid chunked encoding"}
+
+
+def malformed_reason(exc: HttpProcessingError) -> str:
+    """What is wrong with a malformed request, without any of its bytes: the first line of
+    aiohttp's message, up to where it starts quoting the request (the offending line follows:
+    a header with its value, a bearer token maybe).
+
+    A message of llhttp (aiohttp's C parser) is its reason, a fixed text, then the bytes on
+    lines of their own; one of aiohttp's Python code quotes them (repr) after its text, except
+    for the kinds of _UNQUOTED, which are named by their kind.
+    """
+    for kind, name in _UNQUOTED.items():
+        if isinstance(exc, kind):
+            return name
+    first = str(exc.message or "").split("\n", 1)[0]
+    return re.split(r"""\s*(?:b?['"]|:)""", first, maxsplit=1)[0].strip()[:120] or (
+        type(exc).__name__)
+
+
+def body_problem(request: web.Request, exc: BaseException) -> str:
+    """One line naming what is wrong with a request body whose bytes aiohttp's parser refused
+    (its chunked encoding, its Content-Encoding), without any of those bytes.
+
+    `exc`: the parser's error (tfserve.serving.http_server ends the body with it), or
+    aiohttp's RequestPayloadError raised from it.
+    """
+    cause = exc if isinstance(exc, HttpProcessingError) else exc.__cause__
+    if isinstance(cause, ContentEncodingError):
+        problem = "the request body cannot be decoded as its Content-Encoding says"
+    elif "chunked" in request.headers.get("Transfer-Encoding", "").lower():
+        problem = "the request body is not valid chunked encoding"
+    else:
+        problem = "the request body is malformed"
+    if isinstance(cause, HttpProcessingError) and not isinstance(cause, TransferEncodingError):
+        return f"{problem}: {malformed_reason(cause)}"  # a TransferEncodingError says no more
+    return problem
 
 
 # -- middlewares ----------------------------------------------------------------------------

@@ -23,6 +23,11 @@ close and each byte arrive, through asyncio's public protocol interface, without
 aiohttp's request handler; a middleware (`request_phases`) tells it when a request's headers
 are in (its handler starts) and when its handler is done. A connection closed for one of
 them is counted in tfserve_http_connections_dropped_total{reason}.
+
+Behind each Connection, aiohttp's request handler is this module's `RequestHandler`: bytes its
+parser refuses are answered with the server's JSON error and none of those bytes (aiohttp
+quotes them, a bearer token maybe), and a request body they break ends with the parser's
+error (aiohttp's handler would wait for the rest of it), so that its call is a 400.
 """
 
 from __future__ import annotations
@@ -30,19 +35,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import ssl
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.streams import StreamReader
 
 from tfserve.metrics import Metrics
 from tfserve.serving.auth import BearerAuth
 from tfserve.serving.core import ServingCore
-from tfserve.serving.http_api import Handler, Readiness, make_app
+from tfserve.serving.http_api import (
+    BODY_DROPPED,
+    Handler,
+    Readiness,
+    error_response,
+    make_app,
+    malformed_reason,
+)
+from tfserve.serving.status import Status
 from tfserve.settings import ServerConfig
 
 log = logging.getLogger("tfserve.server")
@@ -69,15 +82,6 @@ def ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
                          f"cannot use them for HTTPS ({exc})") from None
     context.set_alpn_protocols(["http/1.1"])
     return context
-
-
-def malformed_reason(exc: HttpProcessingError) -> str:
-    """What is wrong with a malformed request, without any of its bytes: the first line of
-    aiohttp's message, up to where it starts quoting the request (the offending line follows:
-    a header with its value, a bearer token maybe)."""
-    first = str(exc.message or "").split("\n", 1)[0]
-    return re.split(r"""\s*(?:b?['"]|:)""", first, maxsplit=1)[0].strip()[:120] or (
-        type(exc).__name__)
 
 
 class ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -108,10 +112,65 @@ class ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
             self.logger.log(level, msg, *args, **kwargs)
 
 
+class RequestHandler(web_protocol.RequestHandler):
+    """aiohttp's request handler (its protocol for one connection), with what it does with
+    bytes its parser refuses changed in two places:
+
+    - `handle_error`: its 400 to a malformed request quotes the offending line, a header's
+      value (a bearer token) included; this one is the server's JSON error, INVALID_ARGUMENT,
+      with a fixed message naming the problem and none of the request's bytes.
+    - `data_received`: when the refused bytes are a request's body (a chunk size that is not
+      hexadecimal, chunk data without its CRLF), aiohttp's C parser raises to the protocol
+      only, and the body's reader waits for bytes that never come: the request's handler
+      hangs until --http-body-timeout-seconds closes the connection. Here the body ends with
+      the parser's error, so that its handler answers the call with it (a 400,
+      tfserve.serving.http_api), and the connection closes after that answer (its bytes no
+      longer frame requests).
+    """
+
+    def __init__(self, manager: web.Server, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._body: StreamReader | None = None  # the body of the last request parsed
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if not self._messages:  # aiohttp's queue of parsed requests, not yet handled
+            return
+        message, body = self._messages[-1]
+        # a request the parser refused is queued as aiohttp's error info (its `exc`), to be
+        # answered by handle_error once the requests before it are
+        error = getattr(message, "exc", None)
+        if not isinstance(error, HttpProcessingError):
+            self._body = body  # the parser feeds the last request's body only
+            return
+        unfinished, self._body = self._body, None
+        if unfinished is None or unfinished.is_eof():
+            return
+        if unfinished.exception() is None:  # aiohttp's Python parser sets its own
+            unfinished.set_exception(error)
+        # at its end: aiohttp does not then wait for the rest of it (or fail reading it)
+        # after the handler's answer
+        unfinished.feed_eof()
+        self.close()  # after the answer now being made; the refused request is not answered
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        # aiohttp's own steps without its text: the record (through ServerLog), and
+        # ConnectionError where an answer was begun already
+        super().handle_error(request, status, exc, "")
+        response = error_response(Status.INVALID_ARGUMENT.name,
+                                  f"malformed HTTP request: {malformed_reason(exc)}", status)
+        response.force_close()
+        return response
+
+
 class Connections:
     """asyncio's protocol factory for the HTTP port: each connection a `Connection` around one
-    of aiohttp's request handlers (`handlers`: aiohttp's web.Server, itself a protocol
-    factory), at most `limit` open at once, with the header and body timeouts of the module's
+    of aiohttp's request handlers (`handlers` makes them: this module's RequestHandler), at
+    most `limit` open at once, with the header and body timeouts of the module's
     docstring."""
 
     def __init__(self, handlers: Callable[[], asyncio.Protocol], limit: int,
@@ -195,7 +254,7 @@ class Connection(asyncio.Protocol):
         self._cancel_deadline()
         if request.body_exists and not request.content.is_eof():
             self._deadline = self.connections.loop.call_later(
-                self.connections.body_timeout, self._expired, "body_timeout", request.content)
+                self.connections.body_timeout, self._expired, "body_timeout", request)
 
     def request_ended(self, request: web.BaseRequest) -> None:
         """The request's handler is done; the next byte after its body starts the next
@@ -210,12 +269,14 @@ class Connection(asyncio.Protocol):
             self._deadline.cancel()
             self._deadline = None
 
-    def _expired(self, reason: str, body: Any) -> None:
-        """A deadline passed: close the connection, unless the body it waited for is in (the
-        handler may stream its answer for longer)."""
+    def _expired(self, reason: str, request: web.BaseRequest | None) -> None:
+        """A deadline passed: close the connection, unless the body it waited for (the
+        request's) is in (the handler may stream its answer for longer)."""
         self._deadline = None
-        if self.transport is None or (body is not None and body.is_eof()):
+        if self.transport is None or (request is not None and request.content.is_eof()):
             return
+        if request is not None:
+            request[BODY_DROPPED] = True  # its handler makes no call of it (http_api._call)
         self.connections.dropped(reason)
         # aiohttp's handler sees the connection lost: a handler still reading the body is
         # cancelled, as for a client that left
@@ -263,16 +324,21 @@ class HttpServer:
         context = ssl_context(config)
         # no aiohttp access log: every call writes the server's own (tfserve.access); the
         # handlers that remain at stop (past the drain's grace) get a second, then are cancelled
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                               shutdown_timeout=1.0,
-                               keepalive_timeout=config.http_keepalive_timeout_seconds,
-                               logger=ServerLog(http_log, {}))
+        options: dict[str, Any] = {  # each connection's RequestHandler's
+            "access_log": None, "keepalive_timeout": config.http_keepalive_timeout_seconds,
+            "logger": ServerLog(http_log, {})}
+        runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=1.0,
+                               **options)
         await runner.setup()
-        assert runner.server is not None
-        connections = Connections(runner.server, config.http_max_connections,
+        server = runner.server
+        assert server is not None
+        loop = asyncio.get_running_loop()
+        # a connection's protocol: this module's RequestHandler where aiohttp's web.Server
+        # would make its own, with the same options
+        connections = Connections(lambda: RequestHandler(server, loop=loop, **options),
+                                  config.http_max_connections,
                                   config.http_header_timeout_seconds,
                                   config.http_body_timeout_seconds, self.core.metrics)
-        loop = asyncio.get_running_loop()
         try:
             # the listener aiohttp's TCPSite would open, with the Connections around its
             # protocol factory
