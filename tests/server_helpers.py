@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import socket
@@ -21,9 +22,15 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+from tfserve.bench.common import proc_status_kib
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CHECKPOINT = ROOT / "tfserve" / "demo" / "checkpoint"
@@ -76,6 +83,42 @@ def server_args(model: Path, *extra: str) -> list[str]:
     thread (a later --http-port wins)."""
     return ["--model", str(model), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
             "--http-port", "0", "--threads", "1", "--log-level", "warning", *extra]
+
+
+def repository_args(directory: Path, *extra: str) -> list[str]:
+    """Flags for a test server of a repository: loopback, ephemeral ports, HTTP on."""
+    return ["--model-repository", str(directory), "--host", "127.0.0.1", "--port", "0",
+            "--metrics-port", "0", "--http-port", str(free_port()), "--threads", "1",
+            "--log-level", "warning", *extra]
+
+
+def http_json(server: ServerThread, method: str, path: str, body: Any = None,
+              timeout: float = 60.0) -> tuple[int, Any]:
+    """An HTTP call to the server: its status and JSON answer."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(server.http_url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def tfserve_records(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+                    level: int = logging.INFO, logger: str | None = "tfserve"
+                    ) -> pytest.LogCaptureFixture:
+    """pytest's caplog, with tfserve's records reaching it even after a test in this process
+    ran tfserve.logs.setup_logging (which stops them at the `tfserve` logger); capturing
+    from `level` up on `logger` (None: the root logger)."""
+    monkeypatch.setattr(logging.getLogger("tfserve"), "propagate", True)
+    caplog.set_level(level, logger=logger)
+    return caplog
+
+
+def rss_bytes(pid: int) -> int:
+    """The resident memory of process `pid` (VmRSS, Linux /proc)."""
+    return proc_status_kib(pid, "VmRSS") * 1024
 
 
 class ServerThread:

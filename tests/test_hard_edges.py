@@ -18,7 +18,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from server_helpers import ROOT, ServerProcess, ServerThread, free_port, server_args
+from server_helpers import (
+    ROOT,
+    ServerProcess,
+    ServerThread,
+    free_port,
+    rss_bytes,
+    server_args,
+)
 
 from tfserve.client import Client, ServerError
 from tfserve.proto import load as load_stubs
@@ -294,7 +301,7 @@ def test_random_faults_through_a_running_server(model: Path) -> None:
         with Client(target) as client:  # warm up, then take the baseline
             for text in ("seven", "twelve"):
                 client.translate([text], max_new_tokens=30)
-        baseline = _rss_bytes(server.proc.pid)
+        baseline = rss_bytes(server.proc.pid)
         clients = [subprocess.Popen([sys.executable, "-c", FAULTS, target, str(seed), str(ROOT),
                                      "40"], stdout=subprocess.PIPE, text=True)
                    for seed in range(4)]
@@ -327,20 +334,12 @@ def test_random_faults_through_a_running_server(model: Path) -> None:
             assert logged.get(request_id) == 1, (request_id, logged.get(request_id))
         # memory: what the requests took is given back or reused (a leak per request of the
         # 160 would show as tens of MB)
-        assert _rss_bytes(server.proc.pid) < baseline + 64 * 2**20
+        assert rss_bytes(server.proc.pid) < baseline + 64 * 2**20
     finally:
         if server.proc.poll() is None:
             server.proc.send_signal(signal.SIGTERM)
             assert server.proc.wait(60) == 0
         server.kill()
-
-
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"),

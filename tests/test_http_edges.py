@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 import pytest
-from server_helpers import ServerProcess, ServerThread, free_port, server_args
+from server_helpers import ServerProcess, ServerThread, free_port, server_args, tfserve_records
 
 from tfserve.client import Client, ServerError
 from tfserve.metrics import Metrics
@@ -48,11 +48,7 @@ def runtime(random_model: Path) -> Any:
 @pytest.fixture
 def caplog(caplog: pytest.LogCaptureFixture,
            monkeypatch: pytest.MonkeyPatch) -> pytest.LogCaptureFixture:
-    """pytest's caplog, with tfserve's records reaching it even after a test in this process
-    ran tfserve.logs.setup_logging (which stops them at the `tfserve` logger)."""
-    monkeypatch.setattr(logging.getLogger("tfserve"), "propagate", True)
-    caplog.set_level(logging.DEBUG)
-    return caplog
+    return tfserve_records(caplog, monkeypatch, logging.DEBUG, logger=None)
 
 
 # -- raw HTTP on loopback ---------------------------------------------------------------------

@@ -8,14 +8,13 @@ A real server on loopback (tests/server_helpers.py), real HTTP clients (tests/te
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from server_helpers import ServerThread, free_port, server_args
+from server_helpers import ServerThread, free_port, server_args, tfserve_records
 from test_http import JSON, request
 
 from tfserve.generation import DecodingOptions
@@ -42,11 +41,7 @@ def server(random_model: Path, runtime: Any) -> Iterator[ServerThread]:
 @pytest.fixture
 def caplog(caplog: pytest.LogCaptureFixture,
            monkeypatch: pytest.MonkeyPatch) -> pytest.LogCaptureFixture:
-    """pytest's caplog, with tfserve's records reaching it even after a test in this process
-    ran tfserve.logs.setup_logging (which stops them at the `tfserve` logger)."""
-    monkeypatch.setattr(logging.getLogger("tfserve"), "propagate", True)
-    caplog.set_level(logging.INFO, logger="tfserve")
-    return caplog
+    return tfserve_records(caplog, monkeypatch)
 
 
 def access_records(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import urllib.error
-import urllib.request
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +29,13 @@ transformers = pytest.importorskip("transformers")
 
 import family_helpers as fh  # noqa: E402
 import torch  # noqa: E402
-from server_helpers import Gate, ServerThread, free_port, wait_queued  # noqa: E402
+from server_helpers import (  # noqa: E402
+    Gate,
+    ServerThread,
+    free_port,
+    http_json,
+    wait_queued,
+)
 
 from export.cli import main as export_main  # noqa: E402
 from tfserve import cli  # noqa: E402
@@ -115,14 +119,7 @@ JSON_OPTIONS = {"max_new_tokens": "maxNewTokens", "min_new_tokens": "minNewToken
 def http_call(server: ServerThread, method: str, path: str, body: Any = None
               ) -> tuple[int, Any]:
     """An HTTP call: its status and JSON answer."""
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(server.http_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+    return http_json(server, method, path, body, timeout=120)
 
 
 def translate(transport: str, server: ServerThread, client: Client, texts: list[str],

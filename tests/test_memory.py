@@ -24,8 +24,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from server_helpers import ServerProcess, free_port, server_args
+from server_helpers import ServerProcess, free_port, rss_bytes, server_args
 
+from tfserve.bench.common import scraped_value
 from tfserve.metrics import Metrics
 from tfserve.proto import translator_pb2 as pb2
 from tfserve.proto import translator_pb2_grpc as pb2_grpc
@@ -38,31 +39,14 @@ MESSAGE_BYTES = 15_000_000  # under the default --max-message-bytes (16 MiB)
 WARM_UP = 5  # requests before the reference figure
 REQUESTS = 60  # requests after it (the ratchet grew by hundreds of MB in as many)
 ALLOWED_MESSAGES = 2  # growth allowed, in messages of MESSAGE_BYTES
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise KeyError("VmRSS")
-
-
-def trimmed(http_port: int) -> float | None:
-    """tfserve_large_requests_trimmed_total; None where the server has no such series."""
-    url = f"http://127.0.0.1:{http_port}/metrics"
-    with urllib.request.urlopen(url, timeout=60) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith("tfserve_large_requests_trimmed_total "):
-                return float(line.split()[1])
-    return None
+TRIMMED = "tfserve_large_requests_trimmed_total"
 
 
 def wait_trimmed(server: ServerProcess, count: int, timeout: float = 300.0) -> None:
     """Until the server handed back the memory of `count` large requests: scraped again
     after every answer, no sleeps; `timeout` is only the safety net of a broken server."""
     deadline = time.monotonic() + timeout
-    while (done := trimmed(server.http_port)) is None or done < count:
+    while (done := scraped_value(server.http_port, TRIMMED)) is None or done < count:
         assert done is not None, "the server does not count large requests trimmed"
         if server.proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"{done} of {count} large requests trimmed:\n"
@@ -133,7 +117,7 @@ def test_refused_large_http_bodies_hand_their_memory_back(server: ServerProcess)
 
 
 def trimmed_count(metrics: Metrics) -> float:
-    return metrics.registry.get_sample_value("tfserve_large_requests_trimmed_total") or 0.0
+    return metrics.registry.get_sample_value(TRIMMED) or 0.0
 
 
 def test_freed_memory_trims_once_the_large_requests_in_flight_have_ended() -> None:

@@ -18,17 +18,21 @@ The servers run on loopback threads over the session's exported random model
 from __future__ import annotations
 
 import json
-import logging
 import shutil
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from server_helpers import ServerThread, free_port
+from server_helpers import (
+    ServerThread,
+    free_port,
+    http_json,
+    repository_args,
+    server_args,
+    tfserve_records,
+)
 
 from tfserve.client import Client, ServerError
 from tfserve.manifest import Manifest, ManifestError
@@ -42,11 +46,7 @@ VOCAB_SIZE = 111  # the random model's vocabulary (the demo's tokenizer)
 @pytest.fixture
 def caplog(caplog: pytest.LogCaptureFixture,
            monkeypatch: pytest.MonkeyPatch) -> pytest.LogCaptureFixture:
-    """pytest's caplog, with tfserve's records reaching it even after a test in this process
-    ran tfserve.logs.setup_logging (which stops them at the `tfserve` logger)."""
-    monkeypatch.setattr(logging.getLogger("tfserve"), "propagate", True)
-    caplog.set_level(logging.INFO, logger="tfserve")
-    return caplog
+    return tfserve_records(caplog, monkeypatch)
 
 
 def edit_manifest(directory: Path, change: Callable[[dict[str, Any]], None]) -> None:
@@ -61,30 +61,25 @@ def truncate(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
-def repository_args(directory: Path, *extra: str) -> list[str]:
-    """Flags for a test server of a repository: loopback, ephemeral ports, HTTP on."""
-    return ["--model-repository", str(directory), "--host", "127.0.0.1", "--port", "0",
-            "--metrics-port", "0", "--http-port", str(free_port()), "--threads", "1",
-            "--log-level", "warning", *extra]
-
-
 def model_args(directory: Path, *extra: str) -> list[str]:
     """Flags for a test server of one model (`--model DIR`), HTTP on."""
-    return ["--model", str(directory), "--host", "127.0.0.1", "--port", "0",
-            "--metrics-port", "0", "--http-port", str(free_port()), "--threads", "1",
-            "--log-level", "warning", *extra]
+    return server_args(directory, "--http-port", str(free_port()), *extra)
 
 
-def http(server: ServerThread, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    """An HTTP call to the server: its status and JSON answer."""
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(server.http_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+def assert_refused_at_load(directory: Path, message: str, manifest_prefix: str = "") -> None:
+    """Manifest.load, Runtime and a server of the model in `directory` all refuse it, naming
+    `message` (Manifest.load's after `manifest_prefix`)."""
+    from tfserve.runtime import Runtime
+
+    with pytest.raises(ManifestError) as raised:
+        Manifest.load(directory)
+    assert manifest_prefix + message in str(raised.value)
+    with pytest.raises(ValueError) as raised:
+        Runtime(directory, intra_op_threads=1)
+    assert message in str(raised.value)
+    with pytest.raises(ValueError) as raised:
+        ServerThread(model_args(directory))
+    assert message in str(raised.value)
 
 
 def assert_relative(text: str, named: str, *hidden: Path) -> None:
@@ -116,7 +111,7 @@ def test_broken_files_are_named_relative_to_the_repository_over_grpc_and_http(
             assert raised.value.code() == grpc.StatusCode.INTERNAL
             assert raised.value.details().startswith(f"model {name!r} cannot be loaded: ")
             assert_relative(raised.value.details(), named, tmp_path)
-            status, body = http(server, "POST", "/v1/translate",
+            status, body = http_json(server, "POST", "/v1/translate",
                                 {"texts": ["seven"], "model": name})
             assert status == 500 and body["error"]["code"] == "INTERNAL", body
             assert_relative(body["error"]["message"], named, tmp_path)
@@ -125,12 +120,12 @@ def test_broken_files_are_named_relative_to_the_repository_over_grpc_and_http(
             client.model_info(model="unreadable")
         assert raised.value.code() == grpc.StatusCode.INTERNAL
         assert_relative(raised.value.details(), "unreadable/model.json", tmp_path)
-        status, body = http(server, "GET", "/v1/models/unreadable")
+        status, body = http_json(server, "GET", "/v1/models/unreadable")
         assert status == 500 and body["error"]["code"] == "INTERNAL", body
         assert_relative(body["error"]["message"], "unreadable/model.json", tmp_path)
         # ListModels' last error, both transports
         errors = {entry.name: entry.last_error for entry in client.list_models()}
-        status, body = http(server, "GET", "/v1/models")
+        status, body = http_json(server, "GET", "/v1/models")
         assert status == 200
         listed = {model["name"]: model["lastError"] for model in body["models"]}
         for name, named in expected.items():
@@ -152,7 +147,7 @@ def test_a_broken_model_dir_is_named_after_the_model(tmp_path: Path, random_mode
             client.translate(["seven"], max_new_tokens=2)
         assert raised.value.code() == grpc.StatusCode.INTERNAL
         assert_relative(raised.value.details(), "en-de/decoder.onnx", tmp_path)
-        status, body = http(server, "POST", "/v1/translate", {"texts": ["seven"]})
+        status, body = http_json(server, "POST", "/v1/translate", {"texts": ["seven"]})
         assert status == 500, body
         assert_relative(body["error"]["message"], "en-de/decoder.onnx", tmp_path)
     assert str(directory / "decoder.onnx") in caplog.text
@@ -164,21 +159,11 @@ def test_a_broken_model_dir_is_named_after_the_model(tmp_path: Path, random_mode
 @pytest.mark.parametrize("key", list(SPECIAL_FIELDS))
 def test_special_token_outside_the_vocabulary_is_refused_at_load(
         key: str, tmp_path: Path, random_model: Path) -> None:
-    from tfserve.runtime import Runtime
-
     directory = tmp_path / "model"
     shutil.copytree(random_model, directory)
     edit_manifest(directory, lambda m: m["special_tokens"].update({key: 999}))
     message = f"special_tokens.{key} is 999, outside the vocabulary [0, {VOCAB_SIZE})"
-    with pytest.raises(ManifestError) as raised:
-        Manifest.load(directory)
-    assert f"model.json: {message}" in str(raised.value)
-    with pytest.raises(ValueError) as raised:
-        Runtime(directory, intra_op_threads=1)
-    assert message in str(raised.value)
-    with pytest.raises(ValueError) as raised:
-        ServerThread(model_args(directory))
-    assert message in str(raised.value)
+    assert_refused_at_load(directory, message, manifest_prefix="model.json: ")
 
 
 @pytest.mark.parametrize("value", [-1, "1", True, None])
@@ -242,21 +227,11 @@ def link_manifest_inside(directory: Path) -> None:
 
 def test_model_json_linked_outside_a_model_dir_is_refused(tmp_path: Path,
                                                           random_model: Path) -> None:
-    from tfserve.runtime import Runtime
-
     directory = tmp_path / "model"
     shutil.copytree(random_model, directory)
     link_manifest_outside(directory, tmp_path / "elsewhere.json")
     message = f"{directory / 'model.json'} leads outside {directory}"
-    with pytest.raises(ManifestError) as raised:
-        Manifest.load(directory)
-    assert message in str(raised.value)
-    with pytest.raises(ValueError) as raised:
-        Runtime(directory, intra_op_threads=1)
-    assert message in str(raised.value)
-    with pytest.raises(ValueError) as raised:
-        ServerThread(model_args(directory))
-    assert message in str(raised.value)
+    assert_refused_at_load(directory, message)
 
 
 def test_model_json_linked_inside_a_model_dir_loads(tmp_path: Path,
@@ -291,7 +266,7 @@ def test_model_json_linked_outside_a_repository_model_is_refused_unread(
             assert raised.value.code() == grpc.StatusCode.INTERNAL
             assert_relative(raised.value.details(), "alpha/model.json leads outside alpha",
                             tmp_path)
-        status, body = http(server, "GET", "/v1/models/alpha")
+        status, body = http_json(server, "GET", "/v1/models/alpha")
         assert status == 500, body
         assert_relative(body["error"]["message"], "alpha/model.json leads outside alpha",
                         tmp_path)

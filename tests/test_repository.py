@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import shutil
 import signal
 import subprocess
 import sys
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,7 +36,9 @@ from server_helpers import (
     ServerProcess,
     ServerThread,
     export_random_model,
-    free_port,
+    http_json,
+    repository_args,
+    tfserve_records,
 )
 
 from tfserve.client import Client, ServerError
@@ -55,11 +54,7 @@ from tfserve.settings import parse_config
 @pytest.fixture
 def caplog(caplog: pytest.LogCaptureFixture,
            monkeypatch: pytest.MonkeyPatch) -> pytest.LogCaptureFixture:
-    """pytest's caplog, with tfserve's records reaching it even after a test in this process
-    ran tfserve.logs.setup_logging (which stops them at the `tfserve` logger)."""
-    monkeypatch.setattr(logging.getLogger("tfserve"), "propagate", True)
-    caplog.set_level(logging.INFO, logger="tfserve")
-    return caplog
+    return tfserve_records(caplog, monkeypatch)
 
 
 # -- a repository on the event loop, with fake models ---------------------------------------
@@ -427,25 +422,6 @@ def make_repository(directory: Path, **models: Path) -> Path:
     return directory
 
 
-def repository_args(directory: Path, *extra: str) -> list[str]:
-    """Flags for a test server of a repository: loopback, ephemeral ports, HTTP on."""
-    return ["--model-repository", str(directory), "--host", "127.0.0.1", "--port", "0",
-            "--metrics-port", "0", "--http-port", str(free_port()), "--threads", "1",
-            "--log-level", "warning", *extra]
-
-
-def http(server: ServerThread, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    """An HTTP call to the server: its status and JSON answer."""
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(server.http_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 def offline(artifacts: Path, texts: list[str], **options: Any) -> list[list[int]]:
     """The best hypothesis's token ids per text, from the model loaded in this process."""
     from tfserve.translator import Translator
@@ -492,7 +468,7 @@ def test_each_request_chooses_its_model_over_grpc_and_http(
         assert answers["beta"] == offline(other_model, TEXTS, max_new_tokens=6)
         assert answers["alpha"] != answers["beta"]
         for name in ("alpha", "beta"):
-            status, body = http(server, "POST", "/v1/translate", {
+            status, body = http_json(server, "POST", "/v1/translate", {
                 "texts": TEXTS, "model": name, "options": {"maxNewTokens": 6}})
             assert status == 200
             assert [[int(token) for token in t["hypotheses"][0].get("tokenIds", [])]
@@ -502,14 +478,15 @@ def test_each_request_chooses_its_model_over_grpc_and_http(
         embeddings = {name: client.encode(["seven"], model=name)[0].embedding
                       for name in ("alpha", "beta")}
         assert (embeddings["alpha"] != embeddings["beta"]).any()
-        status, body = http(server, "POST", "/v1/encode", {"texts": ["seven"], "model": "beta"})
+        status, body = http_json(server, "POST", "/v1/encode",
+                                 {"texts": ["seven"], "model": "beta"})
         assert status == 200
         assert body["embeddings"][0]["embedding"] == pytest.approx(
             embeddings["beta"].tolist(), abs=1e-6)
         info = client.model_info(model="beta")
         listed = {entry.name: entry for entry in client.list_models()}
         assert (info.model, info.version) == ("beta", listed["beta"].version)
-        status, body = http(server, "GET", "/v1/models/beta")
+        status, body = http_json(server, "GET", "/v1/models/beta")
         assert status == 200 and body == json.loads(
             __import__("google.protobuf.json_format", fromlist=["x"]).MessageToJson(info))
         text = server.metrics.exposition().decode()
@@ -527,18 +504,18 @@ def test_unknown_model_is_not_found_naming_the_models(tmp_path: Path,
             client.translate(["seven"], model="gamma")
         assert raised.value.code() == grpc.StatusCode.NOT_FOUND
         assert raised.value.details() == f"model 'gamma' is not served here; {names}"
-        status, body = http(server, "POST", "/v1/translate", {"texts": ["seven"],
+        status, body = http_json(server, "POST", "/v1/translate", {"texts": ["seven"],
                                                               "model": "gamma"})
         assert status == 404 and body["error"] == {
             "code": "NOT_FOUND", "message": f"model 'gamma' is not served here; {names}"}
-        status, body = http(server, "GET", "/v1/models/gamma")
+        status, body = http_json(server, "GET", "/v1/models/gamma")
         assert status == 404 and body["error"]["code"] == "NOT_FOUND"
         with pytest.raises(ServerError) as raised:  # several models and no default
             client.translate(["seven"])
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert raised.value.details().startswith("model is empty and this server serves 2 "
                                                  "models with no --default-model: name one")
-        status, body = http(server, "GET", "/v1/model")
+        status, body = http_json(server, "GET", "/v1/model")
         assert status == 400 and body["error"]["code"] == "INVALID_ARGUMENT"
         assert requests_total(server, "", "NOT_FOUND") == 2  # counted, with no model
     with ServerThread(repository_args(repository, "--default-model", "beta")) as server, \
@@ -546,7 +523,7 @@ def test_unknown_model_is_not_found_naming_the_models(tmp_path: Path,
         assert client.model_info().model == "beta"
         assert client.translate(["seven"], max_new_tokens=2)
         assert requests_total(server, "beta") == 1
-        status, body = http(server, "GET", "/v1/model")
+        status, body = http_json(server, "GET", "/v1/model")
         assert status == 200 and body["model"] == "beta"
         assert [entry.is_default for entry in client.list_models()] == [False, True]
 
@@ -582,19 +559,19 @@ def test_list_models_shows_states_and_health_follows_them(tmp_path: Path,
         with pytest.raises(grpc.RpcError) as unknown:
             health_of(server, "tfserve.v1.Translator/gamma")
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
-        status, body = http(server, "GET", "/v1/models")
+        status, body = http_json(server, "GET", "/v1/models")
         response = client.stub.ListModels(pb2.ListModelsRequest(), timeout=60)
         assert status == 200 and body == json_format.MessageToDict(response)
         assert body["models"][0]["state"] == "MODEL_STATE_LOADED"
         # the same per-model health over HTTP, by KServe's name
-        assert http(server, "GET", "/v2/models/alpha/ready") == (
+        assert http_json(server, "GET", "/v2/models/alpha/ready") == (
             200, {"name": "alpha", "ready": True, "state": "loaded"})
-        assert http(server, "GET", "/v2/models/beta/ready") == (
+        assert http_json(server, "GET", "/v2/models/beta/ready") == (
             200, {"name": "beta", "ready": True, "state": "unloaded"})
-        status, body = http(server, "GET", "/v2/models/broken/ready")
+        status, body = http_json(server, "GET", "/v2/models/broken/ready")
         assert status == 503 and body["error"]["code"] == "UNAVAILABLE"
         assert "model 'broken' is not serving: its last load failed" in body["error"]["message"]
-        status, body = http(server, "GET", "/v2/models/gamma/ready")
+        status, body = http_json(server, "GET", "/v2/models/gamma/ready")
         assert status == 404 and body["error"]["code"] == "NOT_FOUND"
         assert "alpha" in body["error"]["message"]
 
@@ -615,7 +592,7 @@ def test_model_info_of_a_model_not_loaded_loads_nothing(tmp_path: Path,
     with ServerThread(args) as server, Client(server.target, timeout=60) as client:
         client.translate(["seven"], model="alpha", max_new_tokens=2)
         described = client.model_info(model="beta")
-        status, body = http(server, "GET", "/v1/models/beta")
+        status, body = http_json(server, "GET", "/v1/models/beta")
         assert status == 200 and body == json_format.MessageToDict(described)
         assert [(e.name, e.state) for e in client.list_models()] == [
             ("alpha", "loaded"), ("beta", "unloaded"), ("broken", "unloaded"),

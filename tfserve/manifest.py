@@ -18,7 +18,7 @@ import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tfserve.config import ConfigError, ModelConfig
 from tfserve.generation_defaults import HF_FIELDS, GenerationDefaults, pad_ban
@@ -281,14 +281,14 @@ def _generation(data: dict[str, Any]) -> dict[str, Any]:
 
 # -- what a graph file declares ---------------------------------------------------------------
 # A minimal reader of the ONNX protobuf: the serving path has no `onnx` package, and ONNX
-# Runtime does not show a graph's initializers. It reads names, shapes, node inputs and
-# external data locations, and skips tensor contents (a graph with its weights inside is
-# read through a memory map, never copied). Field numbers from onnx/onnx.proto.
+# Runtime does not show a graph's initializers. It reads names, shapes, element types, node
+# inputs and external data locations, and skips tensor contents (a graph with its weights
+# inside is read through a memory map, never copied). Field numbers from onnx/onnx.proto.
 _MODEL_GRAPH = 7
 _GRAPH_NODE, _GRAPH_INITIALIZER = 1, 5
 _NODE_INPUT, _NODE_OUTPUT, _NODE_OP_TYPE, _NODE_ATTRIBUTE = 1, 2, 4, 5
 _ATTRIBUTE_TENSOR = 5
-_TENSOR_DIMS, _TENSOR_NAME, _TENSOR_EXTERNAL_DATA = 1, 8, 13
+_TENSOR_DIMS, _TENSOR_DATA_TYPE, _TENSOR_NAME, _TENSOR_EXTERNAL_DATA = 1, 2, 8, 13
 _ENTRY_KEY, _ENTRY_VALUE = 1, 2
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
 
@@ -373,7 +373,26 @@ def _node_facts(data: mmap.mmap, start: int, end: int, facts: GraphFacts) -> Non
 
 def _tensor_facts(data: mmap.mmap, start: int, end: int, name: str | None,
                   facts: GraphFacts) -> None:
-    dims: list[int] = []
+    tensor = _tensor_fields(data, start, end)
+    facts.external_files.update(value for key, value in tensor.external_data
+                                if key == "location")
+    name = tensor.name if name is None else name
+    if name:
+        facts.tensors[name] = tuple(tensor.dims)
+
+
+class _TensorFields(NamedTuple):
+    """What a TensorProto declares besides its contents."""
+
+    name: str  # "" without one
+    data_type: int  # TensorProto.DataType, 0 without one
+    dims: list[int]
+    external_data: list[tuple[str, str]]  # its (key, value) entries: location, offset, ...
+
+
+def _tensor_fields(data: mmap.mmap, start: int, end: int) -> _TensorFields:
+    """The TensorProto in data[start:end]: its name, element type, dims and external data."""
+    name, data_type, dims, external = "", 0, [], []
     for number, wire, a, b in _fields(data, start, end):
         if number == _TENSOR_DIMS and wire == _VARINT:
             dims.append(a)
@@ -382,15 +401,16 @@ def _tensor_facts(data: mmap.mmap, start: int, end: int, name: str | None,
             while position < b:
                 value, position = _varint(data, position)
                 dims.append(value)
-        elif number == _TENSOR_NAME and wire == _LENGTH and name is None:
+        elif number == _TENSOR_DATA_TYPE and wire == _VARINT:
+            data_type = a
+        elif number == _TENSOR_NAME and wire == _LENGTH:
             name = data[a:b].decode("utf-8")
         elif number == _TENSOR_EXTERNAL_DATA and wire == _LENGTH:
             entry = {n: data[c:d].decode("utf-8") for n, w, c, d in _fields(data, a, b)
                      if w == _LENGTH}
-            if entry.get(_ENTRY_KEY) == "location" and _ENTRY_VALUE in entry:
-                facts.external_files.add(entry[_ENTRY_VALUE])
-    if name:
-        facts.tensors[name] = tuple(dims)
+            if _ENTRY_KEY in entry and _ENTRY_VALUE in entry:
+                external.append((entry[_ENTRY_KEY], entry[_ENTRY_VALUE]))
+    return _TensorFields(name, data_type, dims, external)
 
 
 def _fields(data: mmap.mmap, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:

@@ -1,5 +1,6 @@
 """What the benchmark tools share: the timed cases, timing, percentiles, CPU and RSS readers,
-the quiet export they time, and JSON lines with rounded floats.
+a server's /metrics read and its stop, the quiet export they time, and JSON lines with
+rounded floats.
 
 Imports the standard library and numpy only (the load generator runs without torch).
 """
@@ -9,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import resource
+import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +99,37 @@ def peak_rss_mib() -> float:
     """Peak resident set size of this process so far (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+def proc_status_kib(pid: int, key: str) -> int:
+    """A VmRSS / VmHWM line of /proc/PID/status, in KiB (Linux; KeyError without it)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """Terminate a server the benchmark started, killed if it is not gone within 60 s."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def scraped_value(http_port: int, series: str) -> float | None:
+    """The value of `series` (a name with its labels, if any) in GET /metrics of the server
+    on this host's `http_port`; None where the server has no such series."""
+    url = f"http://127.0.0.1:{http_port}/metrics"
+    with urllib.request.urlopen(url, timeout=60) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(series + " "):
+                return float(line.split()[1])
+    return None
 
 
 def export_quietly(source: Sequence[str], out: Path, *extra: str) -> int:

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tfserve.bench.common import proc_status_kib, scraped_value, stop_process
+
 MANY_TEXTS = 256  # the `many` shape: as many texts as a request may hold by default
 
 
@@ -55,11 +57,7 @@ class Figures:
 
 def status_mib(pid: int, key: str) -> float:
     """A VmRSS / VmHWM line of /proc/PID/status, in MiB (Linux)."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith(key + ":"):
-                return round(int(line.split()[1]) / 1024, 1)
-    raise KeyError(key)
+    return round(proc_status_kib(pid, key) / 1024, 1)
 
 
 def texts_of(shape: str, message_bytes: int) -> list[str]:
@@ -107,21 +105,10 @@ class Server:
 
     def trimmed(self) -> float | None:
         """tfserve_large_requests_trimmed_total from GET /metrics; None without it."""
-        url = f"http://127.0.0.1:{self.http_port}/metrics"
-        with urllib.request.urlopen(url, timeout=60) as response:
-            for line in response.read().decode().splitlines():
-                if line.startswith("tfserve_large_requests_trimmed_total "):
-                    return float(line.split()[1])
-        return None
+        return scraped_value(self.http_port, "tfserve_large_requests_trimmed_total")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
 
 class GrpcSender:

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tfserve.bench.closed_loop import LevelResult, run_level
-from tfserve.bench.common import percentile_ms
+from tfserve.bench.common import percentile_ms, proc_status_kib, stop_process
 from tfserve.bench.loadgen import number_phrases
 
 
@@ -60,15 +60,6 @@ class Setup:
     busy_lone_requests: int = 0
     load_texts_per_s: list[float] = field(default_factory=list)
     load_errors: int = 0
-
-
-def _status_kib(pid: int, key: str) -> int:
-    """A VmRSS / VmHWM line of /proc/PID/status, in KiB (Linux)."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -120,19 +111,13 @@ class Server:
 
     def rss_kib(self) -> int:
         """The resident memory of the server's processes (its workers included)."""
-        return sum(_status_kib(pid, "VmRSS") for pid in _process_tree(self.process.pid))
+        return sum(proc_status_kib(pid, "VmRSS") for pid in _process_tree(self.process.pid))
 
     def peak_kib(self) -> int:
-        return sum(_status_kib(pid, "VmHWM") for pid in _process_tree(self.process.pid))
+        return sum(proc_status_kib(pid, "VmHWM") for pid in _process_tree(self.process.pid))
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
 
 def build_repository(directory: Path, count: int) -> list[str]:

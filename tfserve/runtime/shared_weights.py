@@ -24,21 +24,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from tfserve.manifest import (
-    _ENTRY_KEY,
-    _ENTRY_VALUE,
-    _GRAPH_INITIALIZER,
-    _LENGTH,
-    _MODEL_GRAPH,
-    _TENSOR_DIMS,
-    _TENSOR_EXTERNAL_DATA,
-    _TENSOR_NAME,
-    _VARINT,
-    _fields,
-    _varint,
-)
+from tfserve.manifest import _GRAPH_INITIALIZER, _LENGTH, _MODEL_GRAPH, _fields, _tensor_fields
 
-_TENSOR_DATA_TYPE = 2  # TensorProto.data_type (onnx/onnx.proto)
 # TensorProto.DataType -> numpy: the element types an export stores
 NUMPY_TYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 6: np.int32, 7: np.int64,
                10: np.float16, 11: np.float64}
@@ -80,24 +67,8 @@ def external_tensors(path: Path) -> list[ExternalTensor]:
 
 
 def _external_tensor(data: mmap.mmap, start: int, end: int) -> ExternalTensor | None:
-    name, data_type, dims, entries = "", 0, [], {}
-    for number, wire, a, b in _fields(data, start, end):
-        if number == _TENSOR_DIMS and wire == _VARINT:
-            dims.append(a)
-        elif number == _TENSOR_DIMS and wire == _LENGTH:  # packed
-            position = a
-            while position < b:
-                value, position = _varint(data, position)
-                dims.append(value)
-        elif number == _TENSOR_DATA_TYPE and wire == _VARINT:
-            data_type = a
-        elif number == _TENSOR_NAME and wire == _LENGTH:
-            name = data[a:b].decode("utf-8")
-        elif number == _TENSOR_EXTERNAL_DATA and wire == _LENGTH:
-            entry = {n: data[c:d].decode("utf-8") for n, w, c, d in _fields(data, a, b)
-                     if w == _LENGTH}
-            if _ENTRY_KEY in entry and _ENTRY_VALUE in entry:
-                entries[entry[_ENTRY_KEY]] = entry[_ENTRY_VALUE]
+    name, data_type, dims, external = _tensor_fields(data, start, end)
+    entries = dict(external)
     if not name or "location" not in entries:
         return None
     try:
