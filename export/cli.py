@@ -9,6 +9,10 @@ Template: load -> trace -> check -> (quantize) -> verify parity -> publish. Ever
 written into a temporary directory beside --out and renamed into place at the end, so a
 failed or interrupted export never leaves a half-written artifacts directory.
 
+fp16 graphs are checked on CUDA when a device is there, else on the CPU where its provider
+runs their fused attention in fp16; where neither does, the export refuses (exit code 2)
+unless --allow-unverified publishes them unchecked (docs/graph-interface.md, "fp16 graphs").
+
 Exit codes: 0 success, 1 parity check failed (nothing written), 2 bad input.
 """
 
@@ -61,7 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="artifacts directory to create (default: artifacts/<model name>)")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset version (14..20)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"],
-                        help="float precision of the graphs; fp16 is for CUDA")
+                        help="float precision of the graphs; fp16 is for CUDA (its parity "
+                        "check runs on CUDA when a device is there, else on the CPU where "
+                        "this onnxruntime's CPU provider runs fp16 MultiHeadAttention)")
+    parser.add_argument("--allow-unverified", action="store_true",
+                        help="--dtype fp16 where no device here runs the fp16 graphs: "
+                        "publish them without the parity check (model.json: provenance "
+                        "verified false) instead of refusing")
     parser.add_argument("--quantize", default=None, choices=["int8"],
                         help="dynamic int8 quantization of the MatMul weights (CPU)")
     parser.add_argument("--force", action="store_true",
@@ -129,9 +139,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from export.graphs import (
+        FP16_MIN_OPSET,
+        FP16_PARITY_NEEDS,
         SUPPORTED_OPSETS,
+        attention_nodes,
+        expected_attention_nodes,
         export_graphs,
-        fused_attention_for,
+        fp16_parity_device,
         quantize_int8,
         store_weights_externally,
     )
@@ -147,7 +161,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ExportError("--quantize int8 needs --dtype fp32")
     if args.parity_samples < 0:
         raise ExportError(f"--parity-samples must be >= 0, got {args.parity_samples}")
-    progress = Progress(7 if args.quantize else 6, args.quiet)
+    if args.dtype == "fp16" and args.opset < FP16_MIN_OPSET:
+        # earlier opsets have no LayerNormalization: torch writes the mean in float16 ops
+        raise ExportError(f"--dtype fp16 needs --opset {FP16_MIN_OPSET} or later (its "
+                          "LayerNormalization keeps the statistics in float32), got "
+                          f"{args.opset}")
+    # fp32 and int8 graphs are checked on the CPU, which runs them everywhere; fp16 graphs
+    # where a device here runs their fused attention in fp16, or nowhere (never silently)
+    parity_device = fp16_parity_device() if args.dtype == "fp16" else "cpu"
+    if parity_device is None and not args.allow_unverified:
+        raise ExportError("--dtype fp16: no device here runs the fused fp16 attention "
+                          "(com.microsoft.MultiHeadAttention) for the parity check; it needs "
+                          f"{FP16_PARITY_NEEDS} (--allow-unverified publishes the graphs "
+                          "unchecked)")
+    progress = Progress((7 if args.quantize else 6) - (parity_device is None), args.quiet)
 
     with progress.step("loading checkpoint"):
         source = load_source(checkpoint=args.checkpoint, hf_dir=args.from_hf)
@@ -163,13 +190,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     staging.chmod(0o777 & ~umask)
     try:
         float_dtype = torch.float16 if args.dtype == "fp16" else torch.float32
-        fused = fused_attention_for(float_dtype)
         graphs_traced = "the encoder" if model.config.encoder_only else "encoder and decoder"
         with progress.step(f"tracing {graphs_traced} (opset {args.opset}, {args.dtype})"):
-            # an encoder-only model (T5EncoderModel) has the encoder graph alone
-            graphs = [path.name for path in export_graphs(model.to(float_dtype), staging,
-                                                          args.opset, float_dtype, fused)]
+            # an encoder-only model (T5EncoderModel) has the encoder graph alone; in fp16 the
+            # modules the config keeps in float32 stay so (T5's FFN output projection)
+            graphs = [path.name for path in export_graphs(model.to_precision(float_dtype),
+                                                          staging, args.opset, float_dtype)]
             model = model.float()
+        for name in graphs:  # every attention is one fused node, in every precision
+            found, expected = attention_nodes(staging / name), \
+                expected_attention_nodes(model, name)
+            if found != expected:  # a fault of the tracing, not of the input
+                raise RuntimeError(f"{name} has {found} com.microsoft.MultiHeadAttention "
+                                   f"nodes where the model has {expected} attentions")
         with progress.step("onnx.checker"):
             for name in graphs:
                 onnx.checker.check_model(str(staging / name), full_check=True)
@@ -198,7 +231,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "source_sha256": sha256_of(source.weight_files),
                 "tfserve": __version__,
                 "graph_revision": GRAPH_REVISION,
-                "attention": "fused" if fused else "standard ops",
+                "attention": "fused",
+                # where the parity check ran ("none": published unchecked, verified false)
+                "parity_device": parity_device or "none",
+                "verified": parity_device is not None,
                 **({"tokenizer": source.built_note} if source.built_note else {}),
                 "torch": torch.__version__,
                 "onnx": onnx.__version__,
@@ -207,12 +243,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             },
         )
         manifest.save(staging)
-        with progress.step("parity against the eager model (ONNX Runtime CPU)"):
-            report = verify(model, staging, args.dtype, args.quantize,
-                            source.sample_texts[: args.parity_samples])
+        if parity_device is None:
+            report = unverified_report(args.dtype)
+        else:
+            with progress.step(f"parity against the eager model (ONNX Runtime "
+                               f"{parity_device.upper()})"):
+                report = verify(model, staging, args.dtype, args.quantize,
+                                source.sample_texts[: args.parity_samples],
+                                device=parity_device)
         manifest.parity = report
         manifest.save(staging)
-        if not report["passed"] and not args.force:
+        if parity_device is not None and not report["passed"] and not args.force:
             raise ParityFailure("; ".join(report["failures"]))
         with progress.step(f"writing {out}"):
             publish(staging, out)
@@ -220,6 +261,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return {"out": str(out), "parity": report}
+
+
+def unverified_report(dtype: str) -> dict[str, Any]:
+    """model.json's parity for graphs published unchecked (--allow-unverified)."""
+    from export.graphs import FP16_PARITY_NEEDS
+
+    return {"precision": dtype, "device": "none", "verified": False, "passed": False,
+            "failures": [],
+            "note": f"not checked (--allow-unverified): no device here runs the fused {dtype} "
+                    f"attention; checking needs {FP16_PARITY_NEEDS}"}
 
 
 def recorded_generation(extra: dict[str, Any]) -> dict[str, Any]:
@@ -273,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.quiet:
         return 0
     parity = result["parity"]
-    status = "passed" if parity["passed"] else "FAILED (published with --force)"
+    if parity.get("verified") is False:
+        status = "NOT CHECKED (published with --allow-unverified)"
+    else:
+        status = "passed" if parity["passed"] else "FAILED (published with --force)"
     print(f"exported {result['out']}: parity {status}: {parity_summary(parity)}")
     return 0
 

@@ -108,21 +108,23 @@ def fused_attention(model: Seq2SeqTransformer, enabled: bool) -> Iterator[None]:
         model.use_fused_attention = before
 
 
-def fused_attention_for(float_dtype: torch.dtype) -> bool:
-    """Attention as com.microsoft.MultiHeadAttention nodes: always in fp32 graphs, whose
-    kernel ONNX Runtime has on CPU and CUDA; in fp16 graphs where this ONNX Runtime's CPU
-    provider runs that kernel in fp16 too (the export's parity check runs on CPU), else
-    standard ops. On CUDA, standard-op attention takes more kernels per step than the fused
-    op."""
-    return float_dtype == torch.float32 or cpu_runs_fp16_attention()
+# the devices the export's parity check may run fp16 graphs on, best first: CUDA (where
+# fp16 graphs are served) when this onnxruntime has it and a device is there, else the CPU
+FP16_PARITY_PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
+FP16_MIN_OPSET = 17  # the first with LayerNormalization (statistics in float32: stash_type 1)
 
 
 @functools.cache
-def cpu_runs_fp16_attention() -> bool:
-    """Whether ONNX Runtime's CPU provider runs com.microsoft.MultiHeadAttention in fp16
-    as the graphs use it (with an additive bias and a past K/V): one node, run once."""
+def runs_fp16_attention(provider: str) -> bool:
+    """Whether ONNX Runtime's `provider` (an ort name, e.g. "CPUExecutionProvider") runs
+    com.microsoft.MultiHeadAttention in fp16 as the graphs use it (an additive bias and a
+    past K/V): one node on that provider alone, run once; False where the provider is
+    missing, cannot start (no device) or has no such kernel."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
+
+    if provider not in ort.get_available_providers():
+        return False
 
     def value(name: str, shape: list[int]) -> Any:
         return helper.make_tensor_value_info(name, TensorProto.FLOAT16, shape)
@@ -139,24 +141,62 @@ def cpu_runs_fp16_attention() -> bool:
                                              helper.make_opsetid("com.microsoft", 1)])
     feeds = {info.name: np.ones([d.dim_value for d in info.type.tensor_type.shape.dim],
                                 np.float16) for info in inputs}
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # a missing device is an answer here, not an error
+    if provider != "CPUExecutionProvider":
+        # that provider alone: a node it has no kernel for fails the session instead of
+        # falling back to the CPU provider (an option ONNX Runtime refuses for the CPU's own)
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     try:
-        session = ort.InferenceSession(model.SerializeToString(),
-                                       providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(model.SerializeToString(), options,
+                                       providers=[provider])
+        if session.get_providers()[0] != provider:
+            return False
         out = session.run(["y"], feeds)[0]
-    except Exception:  # onnxruntime's own classes: no such kernel in this build
+    except Exception:  # onnxruntime's own classes: no such kernel, device or library
         return False
     return bool(np.isfinite(out).all())
 
 
+def fp16_parity_device() -> str | None:
+    """Where the export's parity check runs fp16 graphs, whose attention is always the fused
+    op: "cuda" when this onnxruntime runs it on a CUDA device, else "cpu" when its CPU
+    provider runs it in fp16, else None (no device here can check the graphs)."""
+    for device, provider in FP16_PARITY_PROVIDERS.items():
+        if runs_fp16_attention(provider):
+            return device
+    return None
+
+
+FP16_PARITY_NEEDS = ("onnxruntime-gpu with a CUDA device, or an onnxruntime whose CPU provider "
+                     "runs com.microsoft.MultiHeadAttention in float16")
+
+
+def attention_nodes(path: Path) -> int:
+    """The com.microsoft.MultiHeadAttention nodes of a graph file (its weights unread)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return sum(node.op_type == "MultiHeadAttention" and node.domain == "com.microsoft"
+               for node in graph.node)
+
+
+def expected_attention_nodes(model: Seq2SeqTransformer, graph: str) -> int:
+    """How many fused attention nodes graph "encoder.onnx" / "decoder.onnx" of `model` has:
+    one per encoder layer; a self- and a cross-attention per decoder layer."""
+    cfg = model.config
+    return cfg.encoder_layers if graph == "encoder.onnx" else 2 * cfg.decoder_layers
+
+
 def export_graphs(model: Seq2SeqTransformer, directory: Path, opset: int,
-                  float_dtype: torch.dtype = torch.float32,
-                  fused: bool | None = None) -> list[Path]:
+                  float_dtype: torch.dtype = torch.float32, fused: bool = True) -> list[Path]:
     """Write encoder.onnx and decoder.onnx into directory (an encoder-only model: encoder.onnx
     alone); returns their paths.
 
-    fused: trace attention as ONNX Runtime's fused op (default: fused_attention_for).
+    fused: attention as ONNX Runtime's com.microsoft.MultiHeadAttention (one node each, in
+    fp32 and fp16 graphs); False traces it as standard ONNX ops (MatMul, Softmax, ...), a
+    form `python -m export` never writes, kept for comparisons.
     """
-    fused = fused_attention_for(float_dtype) if fused is None else fused
     model = model.eval()
     layers = model.config.decoder_layers
     enc_in, enc_out = encoder_io(layers)

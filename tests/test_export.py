@@ -227,16 +227,16 @@ def test_fp16_export_parity_on_cpu() -> None:
     report = manifest["parity"]
     assert report["precision"] == "fp16" and report["passed"]
     print(f"fp16 max logits diff (ORT CPU vs eager fp32): {report['max_abs_diff']['max_logits']}")
-    # fused attention where this ONNX Runtime runs it in fp16 on CPU, where the check runs
+    # fused attention always; the check ran where this ONNX Runtime runs it in fp16
     import onnx
 
-    from export.graphs import cpu_runs_fp16_attention
+    from export.graphs import fp16_parity_device
 
-    fused = cpu_runs_fp16_attention()
-    assert manifest["provenance"]["attention"] == ("fused" if fused else "standard ops")
+    assert manifest["provenance"]["attention"] == "fused"
+    assert manifest["provenance"]["parity_device"] == report["device"] == fp16_parity_device()
     ops = {node.op_type for node in onnx.load(str(out / "decoder.onnx"),
                                               load_external_data=False).graph.node}
-    assert ("MultiHeadAttention" in ops) is fused
+    assert "MultiHeadAttention" in ops and "Softmax" not in ops
     assert report["max_abs_diff"]["max_logits"] < 5e-2
     fp16 = Runtime(out)
     assert fp16.empty_past(1)[0].dtype == np.float16
@@ -255,6 +255,10 @@ def test_fp16_parity_on_cuda() -> None:
     out = WORK / "fp16-cuda"
     assert export_main(["--checkpoint", str(checkpoint()), "--out", str(out), "--dtype",
                         "fp16", "--quiet", "--force", "--parity-samples", "0"]) == 0
+    manifest = json.loads((out / "model.json").read_text())
+    # a CUDA device is there: the parity check ran on it
+    assert manifest["provenance"]["parity_device"] == manifest["parity"]["device"] == "cuda"
+    assert manifest["parity"]["passed"]
     fp16 = Runtime(out, device="cuda")
     ids, mask = padded_sources(111, 4, 12, np.random.default_rng(0))
     ref = generate(EagerBackend(eager_model()), ids, mask, DecodingOptions(max_new_tokens=16))

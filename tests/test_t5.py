@@ -605,8 +605,8 @@ def test_missing_tokenizer_and_stray_tensors_are_refused(checkpoints, tmp_path, 
 @pytest.mark.parametrize("flags", [["--dtype", "fp16"], ["--quantize", "int8"]],
                          ids=["fp16", "int8"])
 def test_reduced_precision_exports_pass_their_parity_check(flags, checkpoints, tmp_path):
-    """fp16 graphs (the bias per head added to the scores, in the fused op where ONNX
-    Runtime's CPU provider runs it in fp16) and int8 graphs."""
+    """fp16 graphs (the bias per head added to the scores in the fused op, the FFN output
+    projection in float32) and int8 graphs."""
     out = tmp_path / "out"
     assert export_main(["--from-hf", str(checkpoints["v10"][0]), "--out", str(out),
                         "--quiet", *flags]) == 0

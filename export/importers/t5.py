@@ -12,7 +12,9 @@ Model: T5 is the pre-norm Transformer with these options of tfserve's one model:
 - norm "pre" with norm_type "rmsnorm" (T5LayerNorm: no mean, no bias) and a final norm per
   stack; no bias in any projection;
 - the FFN from `feed_forward_proj`: "relu" (T5 v1.0: wi, wo) or "gated-gelu" (T5 v1.1, mT5,
-  Flan-T5, MADLAD: gelu_new(x wi_0) * (x wi_1), wo), or another "[gated-]act";
+  Flan-T5, MADLAD: gelu_new(x wi_0) * (x wi_1), wo), or another "[gated-]act"; in float16
+  exports wo stays float32 and so does the residual stream after it (transformers'
+  `_keep_in_fp32_modules`; ModelConfig.extra "keep_in_fp32_modules");
 - no 1/sqrt(d) scaling of the attention scores; head dim `d_kv` (num_heads * d_kv may differ
   from d_model);
 - the output projection tied to the shared embedding and the decoder output scaled by
@@ -60,6 +62,7 @@ from export.importers.hf_files import (
 from export.sources import Source, SourceError
 from tfserve.config import ConfigError, ModelConfig
 from tfserve.model import Seq2SeqTransformer
+from tfserve.model.transformer import KEEP_IN_FP32
 from tfserve.tokenizer import Tokenizer, TokenizerError, TokenizerSpec
 
 KIND = "hf-t5"
@@ -162,7 +165,10 @@ def model_config(config: dict[str, Any], directory: Path, tied: bool, unk: int,
     eps = _field(config, model_type, "layer_norm_epsilon")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise SourceError(f"{where}: layer_norm_epsilon must be a number, got {eps!r}")
-    extra: dict[str, Any] = {"importer": KIND, "hf_model_type": model_type}
+    # the FFN output projection (wo) stays float32 in float16 exports, as transformers keeps
+    # it (`_keep_in_fp32_modules = ["wo"]`): T5 v1.1's FFN outputs exceed float16's range
+    extra: dict[str, Any] = {"importer": KIND, "hf_model_type": model_type,
+                             KEEP_IN_FP32: ["ffn.fc2"]}
     if generation:
         extra["hf_generation"] = generation
     try:

@@ -25,33 +25,59 @@ def scaled_dot_product(
     query may not see that key). It is computed once per call of the stack, not per layer, so
     the graphs carry one Where per attention and no per-layer mask arithmetic.
     Masked scores are set to the dtype's minimum rather than -inf: a query whose keys are all
-    masked (a padding row) then gets a uniform distribution instead of NaN.
+    masked (a padding row) then gets a uniform distribution instead of NaN (masked_fill
+    replaces the score, so nothing is added to the minimum and nothing overflows).
     position_bias: T5's relative position bias, broadcastable to [B,H,Tq,Tk], added to the
     scores before the mask.
+    Half-precision scores are normalised in float32 (the softmax's max and sum), as the fused
+    op's kernels do.
     """
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B,H,Tq,Tk]
     if position_bias is not None:
         scores = scores + position_bias
     scores = scores.masked_fill(blocked, torch.finfo(scores.dtype).min)
-    return torch.matmul(scores.softmax(dim=-1), v)  # [B,H,Tq,Dh]
+    return torch.matmul(softmax_fp32(scores), v)  # [B,H,Tq,Dh]
+
+
+def softmax_fp32(scores: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim, its max and sum in float32 for half-precision scores; the
+    probabilities in the scores' dtype. float32 scores are not cast (traced, a same-type
+    Cast is still a node)."""
+    if scores.dtype == torch.float32:
+        return scores.softmax(dim=-1)
+    return scores.float().softmax(dim=-1).to(scores.dtype)
+
+
+# The additive mask of float16 graphs. The dtype's minimum (-65504) plus a score of -16 or
+# less rounds to -inf in float16 arithmetic, and a row whose keys are all masked then
+# normalises to NaN. With -1e4 (ONNX Runtime's own mask_filter_value) any score above -55504
+# stays finite, a fully masked row stays finite, and a masked key still gets zero weight
+# (exp(-1e4) underflows) unless the row's scores differ by thousands.
+FP16_MASK_BIAS = -1.0e4
+
+
+def mask_bias(dtype: torch.dtype) -> float:
+    """The additive score bias of a blocked key in the fused graphs of `dtype`: float32's
+    minimum (|score| is far below the spacing of floats there, so score + min == min, the
+    same scores as scaled_dot_product's masked_fill, padding rows included), FP16_MASK_BIAS
+    for half precision."""
+    return torch.finfo(dtype).min if dtype == torch.float32 else FP16_MASK_BIAS
 
 
 def blocked_to_bias(blocked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool mask (True: blocked) -> additive bias with the dtype's minimum where blocked.
-
-    |score| is far below the spacing of floats near the minimum, so score + min == min: the
-    same scores as scaled_dot_product's masked_fill, padding rows included.
-    """
-    return blocked.to(dtype) * torch.finfo(dtype).min
+    """bool mask (True: blocked) -> additive bias, mask_bias(dtype) where blocked."""
+    return blocked.to(dtype) * mask_bias(dtype)
 
 
 class FusedAttention(torch.autograd.Function):
     """Exported as ONNX Runtime's com.microsoft.MultiHeadAttention: one node instead of ~12.
 
     Head split, past concat, q k^T * scale + bias, softmax, @ v and head merge in one kernel
-    (fp32 on CPU; fp32/fp16 on CUDA). Used only while exporting fp32 graphs
+    (fp32 and fp16 on CUDA and, in recent ONNX Runtimes, on CPU; the kernels normalise in
+    float32). Used while exporting fp32 and fp16 graphs
     (`Seq2SeqTransformer.use_fused_attention`); `forward` is the reference computation the
-    tracer runs, the same maths as the unfused path.
+    tracer runs, the same maths as the unfused path (`bias` holds mask_bias where a key is
+    blocked).
 
     q [B,T,D]; k/v either new projections [B,T,D] (self-attention; with past [B,H,P,Dh] they
     are appended) or cached cross K/V [B,H,S,Dh]; bias [B,1,T,P+T] (or [B,1,T,S]) additive,
@@ -70,7 +96,7 @@ class FusedAttention(torch.autograd.Function):
                 k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
         qh = split_heads(q, num_heads, head_dim)  # [B,H,T,Dh]
         scores = torch.matmul(qh, k.transpose(-1, -2)) * scale + bias  # [B,H,T,Tk]
-        return merge_heads(torch.matmul(scores.softmax(dim=-1), v)), k, v
+        return merge_heads(torch.matmul(softmax_fp32(scores), v)), k, v
 
     @staticmethod
     def symbolic(g: Any, q: Any, k: Any, v: Any, bias: Any, past_k: Any, past_v: Any,

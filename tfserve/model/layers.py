@@ -25,6 +25,9 @@ class FeedForward(nn.Module):
 
     Gated (T5 v1.1, mT5, Flan-T5): act(x W_gate) * (x W_up), then W2. W_gate and W_up are
     stacked in fc1 ([2F,D]: the gate's F rows first), so the two run as one GEMM.
+    fc2 may be kept in float32 in a half-precision model (T5: `Seq2SeqTransformer.
+    to_precision`); its input is then cast to float32 and the output is float32, as in
+    transformers' T5DenseGatedActDense with `_keep_in_fp32_modules = ["wo"]`.
     """
 
     def __init__(self, d_model: int, ffn_dim: int, activation: str, gated: bool = False,
@@ -40,8 +43,12 @@ class FeedForward(nn.Module):
         if self.gated:
             # [B,T,2F] -> 2 x [B,T,F]; ffn_dim a Python int: constant split sizes in the graph
             gate, up = self.fc1(x).split(self.ffn_dim, dim=-1)
-            return self.fc2(self.act(gate) * up)
-        return self.fc2(self.act(self.fc1(x)))
+            hidden = self.act(gate) * up
+        else:
+            hidden = self.act(self.fc1(x))
+        if hidden.dtype != self.fc2.weight.dtype:  # a float32 fc2 in a float16 model
+            hidden = hidden.to(self.fc2.weight.dtype)
+        return self.fc2(hidden)
 
 
 class RMSNorm(nn.Module):
@@ -86,6 +93,12 @@ class Residual(nn.Module):
         return self.norm(x) if self.pre_norm else x
 
     def combine(self, x: torch.Tensor, sublayer_out: torch.Tensor) -> torch.Tensor:
+        if sublayer_out.dtype != x.dtype:
+            # a float32 sublayer (T5's FFN output kept in float32) in a float16 model: the
+            # residual stream goes on in float32 from there, as in transformers, where
+            # float16 + float32 promotes; explicit casts, so the traced Add has one type
+            dtype = torch.promote_types(x.dtype, sublayer_out.dtype)
+            x, sublayer_out = x.to(dtype), sublayer_out.to(dtype)
         out = x + self.dropout(sublayer_out)
         return out if self.pre_norm else self.norm(out)
 

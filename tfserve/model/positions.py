@@ -90,7 +90,7 @@ class RotaryEmbedding(nn.Module):
     """RoPE: rotates each (i, i + Dh/2) pair of q and k by angle pos * base^(-2i/Dh).
 
     Eager, the rotation is computed from `position_ids` on the fly and has no length limit.
-    Exported fp32 graphs apply it with ONNX Runtime's RotaryEmbedding op (`FusedRotary`),
+    Exported graphs (fp32, fp16) apply it with ONNX Runtime's RotaryEmbedding op (`FusedRotary`),
     which looks the angles up in tables of `max_positions` rows, so there positions must be
     below max(max_source_positions, max_target_positions): the limits the runtime enforces.
     """
@@ -132,7 +132,7 @@ class FusedRotary(torch.autograd.Function):
     """Exported as ONNX Runtime's com.microsoft.RotaryEmbedding: one node instead of ~14.
 
     x [B,T,D] (heads side by side) rotated per head; `forward` is the reference maths the
-    tracer runs (the same as apply_rope). Used with the fused attention (fp32 graphs only).
+    tracer runs (the same as apply_rope). Used with the fused attention (fp32 and fp16 graphs).
     The demo decoder, optimized by ONNX Runtime: 215 -> 121 nodes (encoder 185 -> 89).
     """
 

@@ -7,9 +7,14 @@ from torch import nn
 
 from tfserve.config import ModelConfig
 from tfserve.manifest import TOP_CANDIDATES
-from tfserve.model.attention import KVCache, blocked_to_bias
+from tfserve.model.attention import KVCache, blocked_to_bias, mask_bias
 from tfserve.model.layers import DecoderLayer, Embeddings, EncoderLayer, make_norm
 from tfserve.model.positions import RelativePositionBias, RotaryEmbedding
+
+# ModelConfig.extra key: the modules (names or name suffixes, e.g. "ffn.fc2") that stay
+# float32 when the model is cast to a half precision (`Seq2SeqTransformer.to_precision`)
+KEEP_IN_FP32 = "keep_in_fp32_modules"
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -70,6 +75,25 @@ class Seq2SeqTransformer(nn.Module):
         with torch.no_grad():
             self.shared.weight[self.config.pad_token_id].zero_()
 
+    def fp32_module_names(self) -> list[str]:
+        """The modules the config keeps in float32 in a half-precision model
+        (extra["keep_in_fp32_modules"]: each a module name or a suffix after a dot)."""
+        kept = self.config.extra.get(KEEP_IN_FP32) or []
+        return [name for name, _ in self.named_modules() if name and any(
+            name == suffix or name.endswith("." + suffix) for suffix in kept)]
+
+    def to_precision(self, dtype: torch.dtype) -> Seq2SeqTransformer:
+        """Cast the model to `dtype` in place and return it; in a half precision, the modules
+        of fp32_module_names stay float32 (T5's FFN output projection, as transformers'
+        `_keep_in_fp32_modules = ["wo"]` keeps it: T5 v1.1's FFN outputs exceed float16's
+        range). float32 casts every module."""
+        self.to(dtype)
+        if dtype in HALF_DTYPES:
+            modules = dict(self.named_modules())
+            for name in self.fp32_module_names():
+                modules[name].float()
+        return self
+
     # -- input checks (eager only: they would be data-dependent branches in a traced graph) --
 
     def _check_ids(self, name: str, ids: torch.Tensor, limit: int) -> None:
@@ -110,8 +134,8 @@ class Seq2SeqTransformer(nn.Module):
             position_bias = self.encoder_positions(position_ids[:1], position_ids[:1])  # [1,H,S,S]
         if self.use_fused_attention:
             if position_bias is not None:
-                # [1,H,S,S] -> [B,H,S,S], the dtype's minimum where a key is padding
-                mask = position_bias.to(x.dtype).masked_fill(mask, torch.finfo(x.dtype).min)
+                # [1,H,S,S] -> [B,H,S,S], mask_bias where a key is padding
+                mask = position_bias.to(x.dtype).masked_fill(mask, mask_bias(x.dtype))
                 position_bias = None
             else:
                 # the fused kernel wants the bias at its full [B,1,S,S] shape
@@ -184,12 +208,12 @@ class Seq2SeqTransformer(nn.Module):
             position_bias = self.decoder_positions(position_ids, key_positions)  # [B,H,T,P+T]
         if self.use_fused_attention:
             # additive biases at the full shapes the fused kernel takes: [B,1,T,P+T] (with
-            # relative positions [B,H,T,P+T]: the position bias per head, the minimum where
+            # relative positions [B,H,T,P+T]: the position bias per head, mask_bias where
             # blocked) and, with a group's queries side by side, [Bc,1,G*T,S]
             dtype = self.shared.weight.dtype
             if position_bias is not None:
                 self_blocked = position_bias.to(dtype).masked_fill(
-                    self_blocked, torch.finfo(dtype).min)
+                    self_blocked, mask_bias(dtype))
                 position_bias = None
             else:
                 self_blocked = blocked_to_bias(self_blocked, dtype)  # type: ignore[assignment]
