@@ -48,6 +48,7 @@ def profile(artifacts: Path, batch: int, threads: int, past: int, source: int, s
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.log_severity_level = 3  # errors only: not the shared table's input warning
     options.enable_profiling = True
     options.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "step")
     session = ort.InferenceSession(str(artifacts / manifest.decoder_file), options,
