@@ -4,7 +4,8 @@ It needs no exported model and runs in microseconds. Each row's logits depend on
 row's own state (its source, its position and its last token), as a real model's do, so an
 answer must not change with whatever else shares the batch: the property continuous
 batching has to keep. `FaultyBackend` raises at chosen calls, to test that every request
-still ends with exactly one answer or error.
+still ends with exactly one answer or error. `TopCandidatesBackend` also gives each row's best
+K candidates, as exported graphs do, so that the searches decide from them.
 
 The answer for a source is a token sequence set by the source: `length(source)` tokens,
 then eos, where length = source[0] % 7 + 1; beams and samples see a spread of scores around
@@ -101,6 +102,43 @@ class FakeBackend:
 
     def _call(self, name: str) -> None:
         self.calls += 1
+
+
+class TopCandidatesBackend(FakeBackend):
+    """FakeBackend that also gives each row's best K log-probabilities and their ids
+    (`top_log_probs`, `top_ids` [R,1,K], best first), as a graph of revision 2 does.
+
+    ties False: a small row-local term (of the row's last token and position) makes the
+    scores distinct; True: FakeBackend's logits as they are, where many tokens share a
+    score, so that the searches' tie rule decides. banned_token_ids: the backend's bans
+    (None: pad, as `banned_tokens` reads a backend without them).
+    """
+
+    def __init__(self, top_candidates: int = 8, ties: bool = False,
+                 banned_token_ids: tuple[int, ...] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.top_candidates = top_candidates
+        self.ties = ties
+        if banned_token_ids is not None:
+            self.banned_token_ids = banned_token_ids
+
+    def step(self, input_ids: np.ndarray, position_ids: np.ndarray,
+             self_attention_mask: np.ndarray, encoder_attention_mask: np.ndarray,
+             past: Cache, cross: Cache, need_logits: bool = True) -> StepOutput:
+        out = super().step(input_ids, position_ids, self_attention_mask,
+                           encoder_attention_mask, past, cross)
+        logits = out.logits[:, 0, :]  # [R,V]
+        if not self.ties:
+            phase = input_ids[:, :1] * 0.7 + position_ids[:, :1] * 0.11  # [R,1]
+            logits = logits + (0.05 * np.sin(np.arange(VOCAB) * 1.3 + phase)).astype(np.float32)
+        peak = logits.max(axis=1, keepdims=True)  # [R,1]
+        log_probs = logits - (peak + np.log(np.exp(logits - peak).sum(axis=1, keepdims=True)))
+        # best first; equal scores in descending id order, which the searches must not rely on
+        order = np.argsort(-log_probs[:, ::-1], axis=1, kind="stable")[:, : self.top_candidates]
+        ids = VOCAB - 1 - order  # [R,K]
+        top = np.take_along_axis(log_probs, ids, axis=1).astype(np.float32)  # [R,K]
+        return StepOutput(logits[:, None, :] if need_logits else None, out.present,
+                          top[:, None, :], ids[:, None, :])
 
 
 class InjectedFault(RuntimeError):

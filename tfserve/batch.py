@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -20,6 +21,7 @@ from tfserve.generation import (
     Backend,
     Cache,
     DecodingOptions,
+    GroupDecision,
     Hypothesis,
     Search,
     StepOutput,
@@ -112,6 +114,14 @@ class DecodeBatch:
     # decide greedy and beam rows from the backend's top candidates when it has them (off:
     # always from the full logits; both give the same tokens, see tests/test_runtime.py)
     use_top_candidates: bool = True
+    # decide the members that decide from top candidates together, strategy by strategy, in
+    # a few numpy operations over all their rows (`Search.decide_group`). Off: each member
+    # through its own `advance_candidates`, the reference path (both give the same tokens and
+    # scores: tests/test_vectorised_search.py; bench.search_overhead times both)
+    group_decisions: bool = True
+    # (what the backend's bans were read from, the banned ids [n] or None, the candidates per
+    # row left for a search's own): banned_tokens and _plan's room once per backend state
+    _bans: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     # compact (copy the cache without the retired rows) when they are this share of the rows
     # (1/RETIRED_SHARE), or when the oldest retired RETIRED_STEPS steps ago
@@ -258,7 +268,7 @@ class DecodeBatch:
         set: it fails alone, and the other rows' step goes on. An exception from here (the
         backend's run, a cache copy) belongs to the whole batch.
         """
-        if not len(self):
+        if all(isinstance(member.search, _Retired) for member in self.slots):
             return []
         cross, encoder_attention_mask = self._cross_for_step()
         # [R,P] -> [R,P+1]: the new token's column; the same array is the mask of the cache
@@ -267,7 +277,9 @@ class DecodeBatch:
             [self.self_attention_mask, np.ones((self.rows, 1), np.int64)], axis=1)
         # every member deciding from the backend's top candidates: the step leaves the
         # [R,V] logits where they were made (on a device: nothing of vocabulary size moves)
-        from_top = self._decides_from_top()
+        _, banned, room = self._banned()  # [n] or None; candidates per row for the searches
+        groups = self._plan(room)
+        from_top = groups is not None
         try:
             out = self.backend.step(
                 self.last_tokens[:, None],  # [R,1]
@@ -290,7 +302,6 @@ class DecodeBatch:
         # older exports) go to -inf after the normaliser is taken, without renormalising: the
         # scores then equal transformers' with those bad_words_ids
         pad = self.backend.pad_token_id
-        banned = banned_tokens(self.backend)  # [n] or None
         top = self._candidates(out, banned) if from_top else None
         if top is None:
             # [R,V]; the backend hands over a fresh array, so score_rows edits it in place;
@@ -298,39 +309,61 @@ class DecodeBatch:
             logits = out.logits[:, -1, :].astype(np.float32, copy=False)
             beam_k = max((m.search.candidates_per_row() for m in self.slots), default=0)
             lse, best = score_rows(logits, banned, beam_k)  # [R], [R,k]
-        gather, tokens, finished, retired, row = [], [], [], [], 0
-        for position, member in enumerate(self.slots):
-            search, rows = member.search, member.search.rows
-            if isinstance(search, _Retired):
-                gather.append(search.parents + row)
-                tokens.append(search.last_tokens)
-                retired.append(np.arange(row, row + rows))
-                row += rows
-                continue
-            try:
-                if top is not None:
-                    parents, new_tokens = search.advance_candidates(
-                        top[0][row : row + rows], top[1][row : row + rows])
+        starts = list(accumulate((m.search.rows for m in self.slots), initial=0))  # [M+1]
+        decisions = self._decide_groups(groups, *top) if groups else []
+        # the group members first, group by group: their next rows are their decision's
+        ended: set[int] = set()  # slot positions of group members that finished
+        going: set[int] = set()  # those that go on
+        for decision, positions, searches, _ in decisions:
+            bounds = decision.bounds
+            for part, search in enumerate(searches):
+                try:
+                    search.take_decision(decision, part)
+                except Exception as exc:  # this search's own failure: it ends alone, with it
+                    search.error = exc
+                    search.done = True
+                if search.done:
+                    ended.add(positions[part])
                 else:
-                    parents, new_tokens = search.advance(
-                        logits[row : row + rows], lse[row : row + rows],
-                        None if best is None else best[row : row + rows])
-            except Exception as exc:  # this search's own failure: it ends alone, with it
-                search.error = exc
-                search.done = True
-                parents, new_tokens = np.zeros(0, np.int64), np.zeros(0, np.int64)
+                    search.rows = bounds[part + 1] - bounds[part]
+            going.update(positions)
+        going -= ended
+        # then slot by slot, the others: the next rows of each, (slot position, each row's
+        # row before the step [n], its token [n]); a finished search's rows retire
+        pieces: list[tuple[Any, np.ndarray, np.ndarray]] = []
+        finished, retired = [], []
+        for position, member in enumerate(self.slots):
+            if position in going:
+                continue
+            search = member.search
+            row, rows = starts[position], starts[position + 1] - starts[position]
+            if isinstance(search, _Retired):
+                pieces.append((position, search.parents + row, search.last_tokens))
+                retired.append(np.arange(row, row + rows))
+                continue
+            if position in ended:
+                parents = new_tokens = np.zeros(0, np.int64)
+            else:
+                try:
+                    if top is not None:
+                        parents, new_tokens = search.advance_candidates(
+                            top[0][row : row + rows], top[1][row : row + rows])
+                    else:
+                        parents, new_tokens = search.advance(
+                            logits[row : row + rows], lse[row : row + rows],
+                            None if best is None else best[row : row + rows])
+                except Exception as exc:  # this search's own failure: it ends alone, with it
+                    search.error = exc
+                    search.done = True
+                    parents, new_tokens = np.zeros(0, np.int64), np.zeros(0, np.int64)
             search.rows = len(parents)
-            search.last_tokens = new_tokens
             if search.done:  # its rows stay, retired, until the next compaction
                 finished.append((member.tag, search))
                 self.slots[position] = member = _Member(_Retired(rows, pad, self.steps), None)
                 parents, new_tokens = member.search.parents, member.search.last_tokens
                 retired.append(np.arange(row, row + rows))
-            gather.append(parents + row)
-            tokens.append(new_tokens)
-            row += rows
-        index = np.concatenate(gather) if gather else np.zeros(0, np.int64)  # old row per row
-        last_tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
+            pieces.append((position, parents + row, new_tokens))
+        index, last_tokens = self._next_rows(pieces, decisions, ended)  # old row per row
         self.position_ids = self.position_ids + 1
         if retired:
             self.position_ids[np.concatenate(retired)] = 0  # never past the position table
@@ -343,6 +376,35 @@ class DecodeBatch:
             self._reorder(index, self.slots, None)  # the encoder side (per member) unchanged
         self.last_tokens = last_tokens
         return finished
+
+    @staticmethod
+    def _next_rows(pieces: list[tuple[Any, np.ndarray, np.ndarray]],
+                   decisions: list[tuple[GroupDecision, list[int], list[Search], np.ndarray]],
+                   ended: set[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Each next row's row before the step [R'] and its token [R'], in slot order, from
+        the slots' own `pieces` (slot position, rows, tokens) and the group `decisions`
+        (decision, slot positions, searches, its parents as rows of the batch), less the rows
+        of the group members that `ended`."""
+        if not decisions:  # the pieces are in slot order
+            if not pieces:
+                return np.zeros(0, np.int64), np.zeros(0, np.int64)
+            return (np.concatenate([piece[1] for piece in pieces]),
+                    np.concatenate([piece[2] for piece in pieces]))
+        if len(decisions) == 1 and not pieces and not ended:  # one group: every slot
+            return decisions[0][3], decisions[0][0].tokens
+        for decision, positions, _, parents in decisions:
+            counts = np.diff(decision.bounds)  # [M] next rows per member
+            slots = np.repeat(np.array(positions, np.int64), counts)  # [n] slot of each row
+            tokens = decision.tokens
+            if ended.intersection(positions):
+                going = np.repeat([position not in ended for position in positions], counts)
+                slots, parents, tokens = slots[going], parents[going], tokens[going]
+            pieces.append((slots, parents, tokens))
+        slots = np.concatenate([np.full(len(piece[1]), piece[0], np.int64)
+                                if isinstance(piece[0], int) else piece[0] for piece in pieces])
+        order = np.argsort(slots, kind="stable")  # slot order; a slot's rows keep theirs
+        return (np.concatenate([piece[1] for piece in pieces])[order],
+                np.concatenate([piece[2] for piece in pieces])[order])
 
     def run_alone(self, tag: Any) -> BaseException | None:
         """Run the decoder for one member's rows alone, on copies (the batch is unchanged);
@@ -385,8 +447,12 @@ class DecodeBatch:
         """The first self-attention cache column some row uses, and the source length the
         longest running member needs: columns that every row has as a hole (left) or as
         padding (right) are dead weight in every later step, cut by whoever copies next."""
-        filled = self.self_attention_mask.any(axis=0)
-        first = int(filled.argmax()) if filled.any() else self.self_attention_mask.shape[1]
+        mask = self.self_attention_mask
+        if mask.shape[1] and mask[:, 0].any():
+            first = 0  # the usual case, without a pass over the whole mask
+        else:
+            filled = mask.any(axis=0)
+            first = int(filled.argmax()) if filled.any() else mask.shape[1]
         return first, max(member.encoder_rows for member in self.slots)
 
     def _compact_now(self) -> bool:
@@ -399,22 +465,84 @@ class DecodeBatch:
         oldest = min(search.since for search in retired)  # type: ignore[union-attr]
         return share or self.steps - oldest >= self.RETIRED_STEPS
 
-    def _decides_from_top(self) -> bool:
-        """Whether every running member can decide this step from the K best candidates per
-        row that the backend computes (`Backend.top_candidates`; 0: it computes none)."""
-        k = getattr(self.backend, "top_candidates", 0)
-        if not k or not self.use_top_candidates:
-            return False
-        # K = V: every token is a candidate; else room for the needed ones plus the banned
-        # tokens and eos (banned before min_new_tokens)
-        banned = banned_tokens(self.backend)
-        reserved = {self.backend.eos_token_id, *(() if banned is None else banned.tolist())}
-        room = k if k >= self.backend.vocab_size else k - len(reserved)
-        for member in self.members:
-            needed = member.search.top_needed()
+    def _banned(self) -> tuple:
+        """(the backend state it was read from, `banned_tokens` [n] or None, the candidates
+        per row left for a search's own: K less eos and the banned ids, K where K = V, 0
+        where the backend gives none)."""
+        backend = self.backend
+        source = (getattr(backend, "banned_token_ids", None), backend.pad_token_id,
+                  backend.eos_token_id, getattr(backend, "top_candidates", 0),
+                  backend.vocab_size)
+        if self._bans is None or self._bans[0] != source:
+            banned = banned_tokens(backend)
+            k = source[3]
+            reserved = {backend.eos_token_id, *(() if banned is None else banned.tolist())}
+            room = k if k >= backend.vocab_size else max(k - len(reserved), 0)
+            self._bans = (source, banned, room)
+        return self._bans
+
+    def _plan(self, room: int) -> dict[tuple, tuple[list[int], list[int], list[Search]]] | None:
+        """None unless every running member can decide this step from the K best candidates
+        per row that the backend computes (`Backend.top_candidates`; 0: it computes none),
+        of which `room` are left for its own (K = V: every token is a candidate; else room
+        for the needed ones plus the banned tokens and eos, banned before min_new_tokens);
+        then the groups that decide together (`Search.group_key`, with group_decisions):
+        (strategy, key) -> (slot positions, their first rows, their searches)."""
+        if not room or not self.use_top_candidates:
+            return None
+        grouping = self.group_decisions
+        groups: dict[tuple, tuple[list[int], list[int], list[Search]]] = {}
+        row = 0
+        for position, member in enumerate(self.slots):
+            search = member.search
+            if not isinstance(search, _Retired):
+                key = search.group_key() if grouping else None
+                if key is None:
+                    needed = search.top_needed()
+                    if needed == 0 or needed > room:
+                        return None
+                else:
+                    group = groups.get((type(search), key))
+                    if group is None:
+                        group = groups[(type(search), key)] = ([], [], [])
+                    group[0].append(position)
+                    group[1].append(row)
+                    group[2].append(search)
+            row += search.rows
+        for _, _, searches in groups.values():  # equal keys: equal needs (Search.group_key)
+            needed = searches[0].top_needed()
             if needed == 0 or needed > room:
-                return False
-        return True
+                return None
+        return groups
+
+    def _decide_groups(self, groups: dict[tuple, tuple[list[int], list[int], list[Search]]],
+                       ids: np.ndarray, log_probs: np.ndarray
+                       ) -> list[tuple[GroupDecision, list[int], list[Search], np.ndarray]]:
+        """The group decisions of this step (`Search.decide_group`) from the top candidates
+        ids, log_probs [R,K]: (decision, its members' slot positions, their searches, its
+        parents as rows of the batch). The members of a group whose decision raised are
+        left out: each then decides (and fails, if it does) alone, through its
+        advance_candidates."""
+        decisions = []
+        for (strategy, _), (positions, starts, searches) in groups.items():
+            counts = [search.rows for search in searches]
+            total = sum(counts)
+            if starts[0] == 0 and total == len(ids):
+                rows = None  # every row, in order
+            else:  # [n] the group's rows: each member's block, member by member
+                first = np.array(starts, np.int64)
+                counts_array = np.array(counts, np.int64)
+                rows = (np.repeat(first - (np.cumsum(counts_array) - counts_array), counts_array)
+                        + np.arange(total))
+            try:
+                decision = strategy.decide_group(
+                    searches, ids if rows is None else ids[rows],
+                    log_probs if rows is None else log_probs[rows])
+            except Exception:
+                continue
+            parents = decision.parents if rows is None else rows[decision.parents]
+            decisions.append((decision, positions, searches, parents))
+        return decisions
 
     def _candidates(self, out: StepOutput, banned: np.ndarray | None
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -422,7 +550,11 @@ class DecodeBatch:
         ids, log_probs = out.top_ids[:, -1, :], out.top_log_probs[:, -1, :]
         log_probs = log_probs.astype(np.float32)  # a copy: edited below
         if banned is not None:
-            log_probs[np.isin(ids, banned)] = -np.inf
+            if len(banned) <= 4:  # a few comparisons cost less than np.isin's sort
+                for token in banned.tolist():
+                    log_probs[ids == token] = -np.inf
+            else:
+                log_probs[np.isin(ids, banned)] = -np.inf
         return ids.astype(np.int64, copy=False), log_probs
 
     def _reorder(self, index: np.ndarray, members: list[_Member],
@@ -459,7 +591,7 @@ class DecodeBatch:
             self.position_ids = self.position_ids[index]
             if len(self.last_tokens) == previous_rows:
                 self.last_tokens = self.last_tokens[index]
-            first, src_len = self._used_columns()
+            src_len = max(member.encoder_rows for member in self.slots)  # as _used_columns
             if first > 0:  # past_rows is None: the rows were taken above
                 stop = self.self_attention_mask.shape[1]
                 self.past = self.backend.slice_time(self.past, first, stop)

@@ -1,6 +1,7 @@
 """Python time per decoder step: the continuous batch and the searches, with no model.
 
-    python -m tfserve.bench.search_overhead [--steps 64] [--repeat 5] [--json OUT]
+    python -m tfserve.bench.search_overhead [--steps 64] [--repeat 5] [--per-member]
+                                            [--json OUT]
 
 A decoder step on a GPU takes tens of microseconds; the Python around it (deciding each
 row's tokens, finishing searches, moving rows) must take no more. This runs `DecodeBatch`
@@ -8,7 +9,10 @@ over `NullBackend`, a Backend whose step costs nothing but handing over precompu
 candidates and tiny cache tensors, and prints the microseconds per step that remain: the
 selection, finishing and row bookkeeping of the cases the benchmarks time (greedy batch 1
 and 16, beam 4 x batch 32, sampling batch 16). Rows never finish early (eos is never among
-the candidates), so every step carries the whole batch.
+the candidates), so every step carries the whole batch. Greedy and beam members decide
+together, strategy by strategy (`Search.decide_group`); --per-member times the reference
+path instead, each member through its own `advance_candidates` (DecodeBatch.group_decisions
+off). Sampling decides member by member on either path, from the full logits.
 
 Imports numpy only (and tfserve.generation / tfserve.batch).
 """
@@ -112,14 +116,14 @@ CASES = {
 }
 
 
-def measure(name: str, steps: int, repeat: int) -> dict[str, Any]:
+def measure(name: str, steps: int, repeat: int, per_member: bool = False) -> dict[str, Any]:
     """Best of `repeat` runs: microseconds of DecodeBatch.step per step, after the first
-    step (the fan-out of beams) and a warm-up."""
+    step (the fan-out of beams) and a warm-up; per_member: the reference path."""
     texts, options = CASES[name]
     best = float("inf")
     for _ in range(repeat):
         backend = NullBackend()
-        batch = DecodeBatch(backend)
+        batch = DecodeBatch(backend, group_decisions=not per_member)
         searches = [make_search(options, EOS, PAD) for _ in range(texts)]
         source = np.ones((texts, 8), np.int64)  # [N,S]
         batch.add(searches, list(range(texts)), backend.encode(source, source)[1], source)
@@ -129,7 +133,8 @@ def measure(name: str, steps: int, repeat: int) -> dict[str, Any]:
         for _ in range(steps):
             batch.step()
         best = min(best, (time.perf_counter() - started) / steps)
-    return {"case": name, "rows": batch.rows, "us_per_step": round(best * 1e6, 1)}
+    return {"case": name, "rows": batch.rows, "path": "per-member" if per_member else "grouped",
+            "us_per_step": round(best * 1e6, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,14 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5, help="runs per case (best kept)")
     parser.add_argument("--case", choices=sorted(CASES), action="append",
                         help="cases to run (default: all)")
+    parser.add_argument("--per-member", action="store_true",
+                        help="time the per-member reference path (no group decisions)")
     parser.add_argument("--json", help="also write the rows as a JSON list to this file")
     args = parser.parse_args(argv)
     for name in ("steps", "repeat"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
-    rows = [measure(name, args.steps, args.repeat) for name in (args.case or list(CASES))]
+    rows = [measure(name, args.steps, args.repeat, args.per_member)
+            for name in (args.case or list(CASES))]
     for row in rows:
-        print(f"{row['case']:12s} {row['rows']:4d} rows  {row['us_per_step']:8.1f} us/step")
+        print(f"{row['case']:12s} {row['rows']:4d} rows  {row['us_per_step']:8.1f} us/step"
+              f"  ({row['path']})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump(rows, out, indent=1)

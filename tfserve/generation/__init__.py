@@ -37,7 +37,13 @@ from tfserve.generation.kernels import (
 )
 from tfserve.generation.options import DEFAULT_MAX_NEW_TOKENS, DecodingOptions, Hypothesis
 from tfserve.generation.sampling import SamplingSearch
-from tfserve.generation.search import Search, make_search, register_search, registered_searches
+from tfserve.generation.search import (
+    GroupDecision,
+    Search,
+    make_search,
+    register_search,
+    registered_searches,
+)
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -48,6 +54,7 @@ __all__ = [
     "Cache",
     "DecodingOptions",
     "GreedySearch",
+    "GroupDecision",
     "Hypothesis",
     "RepetitionControls",
     "SamplingSearch",

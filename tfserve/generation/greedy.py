@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import numpy as np
 
 from tfserve.generation.options import DecodingOptions, Hypothesis
-from tfserve.generation.search import Search, register_search
+from tfserve.generation.search import GroupDecision, Search, register_search
 
 
 @register_search("greedy", lambda options: not options.do_sample and options.num_beams <= 1)
@@ -51,24 +53,57 @@ class GreedySearch(Search):
         best = int(values.argmax())  # the first of equal maxima, as argmax over the row
         return self._choose(int(ids[0, best]), float(values[best]))
 
+    def group_key(self) -> Hashable | None:
+        if self.controls is not None or self.forcing or self.ending:
+            return None
+        return ("greedy", self.eos)
+
+    @classmethod
+    def decide_group(cls, searches: Sequence[Search], ids: np.ndarray, log_probs: np.ndarray
+                     ) -> GroupDecision:
+        """advance_candidates of one-row searches at once: ids, log_probs [M,K]."""
+        count = len(searches)
+        eos = searches[0].eos
+        blocked = [s.generated < s.options.min_new_tokens for s in searches]
+        values = log_probs
+        if any(blocked):  # eos not allowed yet
+            values = np.where(np.array(blocked)[:, None] & (ids == eos), -np.inf,
+                              log_probs)  # [M,K]
+        rows = np.arange(count)
+        best = values.argmax(axis=1)  # [M]: the first of equal maxima, as advance_candidates
+        tokens, scores = ids[rows, best], values[rows, best]  # [M], [M]
+        return GroupDecision(rows, tokens, list(range(count + 1)),
+                             (tokens.tolist(), scores.tolist()))
+
+    def take_decision(self, decision: GroupDecision, index: int) -> None:
+        tokens, scores = decision.detail
+        self._take(tokens[index], scores[index])
+
     def _force(self) -> tuple[np.ndarray, np.ndarray]:
         """A prefix token, log-probability 0 (next_forced counts it where it is new)."""
         return self._choose(self.next_forced(), 0.0, decided=False)
 
     def _choose(self, token: int, log_prob: float, decided: bool = True
                 ) -> tuple[np.ndarray, np.ndarray]:
-        """Append `token`; decided: a token of the search's own choice (a new token)."""
+        """`_take`, with the next row as `advance` returns it."""
+        if self._take(token, log_prob, decided):
+            return np.zeros(1, np.int64), np.array([token], np.int64)
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+
+    def _take(self, token: int, log_prob: float, decided: bool = True) -> bool:
+        """Append `token`; decided: a token of the search's own choice (a new token).
+        Returns whether the search goes on (its row continues with `token`)."""
         self.score += log_prob
         if decided:
             self.generated += 1
         if token == self.eos:
             self.finished.append(Hypothesis(list(self.tokens), self.score))
             self.done, self.streamed = True, []
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+            return False
         self.tokens.append(token)
         self.streamed = [token]
         if self.generated >= self.options.max_new_tokens:
             self.finished.append(Hypothesis(list(self.tokens), self.score, finished=False))
             self.done = True
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        return np.zeros(1, np.int64), np.array([token], np.int64)
+            return False
+        return True

@@ -8,13 +8,24 @@ strategy modules register does not matter.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
 from tfserve.generation.controls import RepetitionControls
 from tfserve.generation.options import DecodingOptions, Hypothesis
+
+
+class GroupDecision(NamedTuple):
+    """The next rows of several searches decided together (`Search.decide_group`), before
+    any of them takes its part (`Search.take_decision`)."""
+
+    parents: np.ndarray  # [n] int64: each next row's parent, an index into the group's rows
+    tokens: np.ndarray  # [n] int64: each next row's token
+    # [M+1]: search j's next rows are [bounds[j], bounds[j+1]), unless taking its part ends it
+    bounds: list[int]
+    detail: Any  # the strategy's own: what take_decision reads
 
 
 class Search:
@@ -30,6 +41,11 @@ class Search:
     all out, so beams and samples fan out from the end of the prefix. With
     options.forced_eos the step of the max_new_tokens-th new token produces eos whatever
     the logits (`ending`), before any prefix token.
+
+    Searches that decide from top candidates may also decide a step together, in a few numpy
+    operations over all of them instead of one call each: those with equal `group_key`s go
+    to `decide_group` at once, then each takes its part (`take_decision`); the outcome is
+    that of `advance_candidates` on each.
 
     start_token_id is the model's decoder start token; options.decoder_start_token_id,
     where set, replaces it: the search's first row holds it (`last_tokens`), which is the
@@ -53,7 +69,8 @@ class Search:
         self.generated = 0  # new tokens decided so far, per row (an input prefix not counted)
         self.done = False
         self.finished: list[Hypothesis] = []
-        self.rows = 1
+        self.rows = 1  # its rows in the batch (DecodeBatch keeps it after every step)
+        # the input of its first decoder step (DecodeBatch keeps every row's next input)
         self.last_tokens = np.array([start_token_id], dtype=np.int64)
         self.streamed: list[int] = []  # tokens appended by the last step, for streaming
         # set by DecodeBatch.step when this search raised: it ended with this error, alone
@@ -71,9 +88,11 @@ class Search:
         decoder tokens, which counts the start token and an input prefix). An input prefix
         (not counted as new) comes out first: it is transformers' decoder input, which
         the forced eos cannot replace."""
-        input_prefix_left = self.forcing and not self.options.prefix_counts_as_new
-        return bool(self.options.forced_eos) and not input_prefix_left and (
-            self.generated == self.options.max_new_tokens - 1)
+        options = self.options
+        if not options.forced_eos:
+            return False
+        input_prefix_left = self.forcing and not options.prefix_counts_as_new
+        return not input_prefix_left and self.generated == options.max_new_tokens - 1
 
     def next_forced(self) -> int:
         """The prefix token of this step; counts it as new where the options say so."""
@@ -114,6 +133,26 @@ class Search:
                            ) -> tuple[np.ndarray, np.ndarray]:
         """`advance` from each row's best tokens only: ids [rows,K] and their
         log-probabilities [rows,K] (banned tokens already -inf)."""
+        raise NotImplementedError
+
+    def group_key(self) -> Hashable | None:
+        """What this step's searches must share to be decided together by `decide_group`
+        (None: this step is its own, through `advance_candidates`: a forced token, the
+        forced eos, repetition controls, or a strategy without a group decision). Searches
+        of one strategy with equal keys have equal `top_needed()`."""
+        return None
+
+    @classmethod
+    def decide_group(cls, searches: Sequence[Search], ids: np.ndarray, log_probs: np.ndarray
+                     ) -> GroupDecision:
+        """The step of `searches` (all with one group_key) from their rows' best tokens:
+        ids [n,K] and log-probabilities [n,K] (banned tokens already -inf), the searches'
+        rows one after the other. Changes no search: each then takes its part."""
+        raise NotImplementedError
+
+    def take_decision(self, decision: GroupDecision, index: int) -> None:
+        """Take part `index` of a group's decision: the state `advance_candidates` leaves.
+        Its next rows are the decision's (see GroupDecision.bounds), none if it is done."""
         raise NotImplementedError
 
     def advance(self, logits: np.ndarray, lse: np.ndarray,
