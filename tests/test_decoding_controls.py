@@ -709,12 +709,13 @@ def test_early_stopping_never_matches_transformers(length_penalty, eos_prone, so
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (dict(repetition_penalty=0.0), "repetition_penalty must be in (0, 10.0]"),
-    (dict(repetition_penalty=-1.0), "repetition_penalty must be in (0, 10.0]"),
-    (dict(repetition_penalty=10.5), "repetition_penalty must be in (0, 10.0]"),
-    (dict(repetition_penalty=float("nan")), "repetition_penalty must be in (0, 10.0]"),
-    (dict(repetition_penalty=True), "repetition_penalty must be in (0, 10.0]"),
-    (dict(repetition_penalty="1.2"), "repetition_penalty must be in (0, 10.0]"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be in [0.1, 10.0]"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty must be in [0.1, 10.0]"),
+    (dict(repetition_penalty=10.5), "repetition_penalty must be in [0.1, 10.0]"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty must be in [0.1, 10.0]"),
+    (dict(repetition_penalty=5e-324), "repetition_penalty must be in [0.1, 10.0]"),
+    (dict(repetition_penalty=True), "repetition_penalty must be in [0.1, 10.0]"),
+    (dict(repetition_penalty="1.2"), "repetition_penalty must be in [0.1, 10.0]"),
     (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size must be in [0, 64]"),
     (dict(no_repeat_ngram_size=65), "no_repeat_ngram_size must be in [0, 64]"),
     (dict(no_repeat_ngram_size=2.0), "no_repeat_ngram_size must be an integer"),

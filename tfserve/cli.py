@@ -91,7 +91,7 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
                        "one per run)")
     group.add_argument("--repetition-penalty", type=float, default=None,
                        help="divide the score of every token already in the output by this "
-                       "(where positive; multiply where negative), in (0, 10]: above 1 "
+                       "(where positive; multiply where negative), in [0.1, 10]: above 1 "
                        "discourages repeats, below 1 encourages them (default: 1.0, off)")
     group.add_argument("--no-repeat-ngram-size", type=int, default=None,
                        help="no n-gram of this many tokens occurs twice in the output "

@@ -92,6 +92,9 @@ class DecodingOptions:
     # n-grams longer than 64 tokens do not repeat in a translation, and the size bounds the
     # work of every step
     MAX_REPETITION_PENALTY = 10.0
+    # symmetric: below 1/10 a repeat is all but certain, and a penalty near 0 (5e-324)
+    # divides a logit past float32's range, which makes the step's scores NaN
+    MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY
     MAX_NO_REPEAT_NGRAM_SIZE = 64
 
     def validate(self, max_new_tokens_limit: int | None = None, *,
@@ -169,9 +172,11 @@ class DecodingOptions:
             integer("seed", 0, 2**63 - 1)
         if not (isinstance(self.repetition_penalty, (int, float))
                 and not isinstance(self.repetition_penalty, bool)
-                and 0 < self.repetition_penalty <= self.MAX_REPETITION_PENALTY):
-            raise ValueError(f"repetition_penalty must be in (0, {self.MAX_REPETITION_PENALTY}]"
-                             f" (1.0: off), got {self.repetition_penalty!r}")
+                and self.MIN_REPETITION_PENALTY <= self.repetition_penalty
+                <= self.MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty must be in [{self.MIN_REPETITION_PENALTY}, "
+                             f"{self.MAX_REPETITION_PENALTY}] (1.0: off), got "
+                             f"{self.repetition_penalty!r}")
         integer("no_repeat_ngram_size", 0, self.MAX_NO_REPEAT_NGRAM_SIZE)
         if not isinstance(self.forced_eos, (bool, np.bool_)):
             raise ValueError(f"forced_eos must be a boolean, got {self.forced_eos!r}")

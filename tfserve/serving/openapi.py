@@ -156,7 +156,7 @@ def input_limits(config: ServerConfig) -> dict[str, dict[str, Any]]:
             "topK": {"minimum": 0},
             "topP": {"minimum": 0, "exclusiveMinimum": True, "maximum": 1},
             "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
-            "repetitionPenalty": {"minimum": 0, "exclusiveMinimum": True,
+            "repetitionPenalty": {"minimum": DecodingOptions.MIN_REPETITION_PENALTY,
                                   "maximum": DecodingOptions.MAX_REPETITION_PENALTY},
             "noRepeatNgramSize": {"minimum": 0,
                                   "maximum": DecodingOptions.MAX_NO_REPEAT_NGRAM_SIZE},
