@@ -18,10 +18,22 @@ options left out (or None) take the model's generation defaults. source_language
 target_language and target_prefix are named as in `Translator.translate`; target_prefix is
 one string for every text or a list with one per text. A failed call raises `ServerError` (a
 RuntimeError and a grpc.RpcError) carrying the status code and the server's message.
+
+Several replicas: every channel carries gRPC's retry policy for the read-only RPCs
+(`service_config`: an `UNAVAILABLE` call, what a draining replica answers and what the calls
+of a replica that died get, is sent again, up to 5 attempts; a stream is not retried once
+the server answered it), and a list of addresses, or `round_robin=True` with a `dns:///`
+name that resolves to every replica (a Kubernetes headless Service), spreads the calls over
+the replicas per call, skipping those whose gRPC health is not SERVING:
+
+    Client(["10.0.0.5:50051", "10.0.0.6:50051"])                       # round robin
+    Client("dns:///tfserve-headless.default.svc.cluster.local:50051", round_robin=True)
 """
 
 from __future__ import annotations
 
+import ipaddress
+import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -174,19 +186,111 @@ def _server_error(error: grpc.RpcError) -> ServerError:
     return ServerError(code, details or "")
 
 
-def _channel_options(max_message_bytes: int,
-                     extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
-    """Message size limits plus the caller's channel options, e.g.
-    ("grpc.lb_policy_name", "round_robin") to spread calls over every replica behind a
-    headless Service."""
-    return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes), *extra]
+# The RPCs sent again on a retryable status. All of tfserve.v1.Translator's are read-only (an
+# answer depends on the request and the model only), so a second attempt on another replica
+# is safe. gRPC commits a call, and stops retrying it, once the server has sent response
+# headers: a TranslateStream is retried only until its first response (the server sends
+# headers when it has queued the call), never after chunks arrived.
+SERVICE = "tfserve.v1.Translator"
+RETRIED_METHODS = ("Translate", "TranslateStream", "Encode", "GetModelInfo", "ListModels")
+# UNAVAILABLE is what a draining replica answers, what the calls in flight on a replica that
+# died get (its connection is gone; through a proxy, the proxy's 502/503 reads as
+# UNAVAILABLE), and what a call gets when no replica is reachable at the moment. No other
+# status is retried: the others are answers of a live server to this request.
+RETRYABLE_STATUS_CODES = ("UNAVAILABLE",)
+RETRY_POLICY: dict[str, Any] = {
+    "maxAttempts": 5,  # gRPC's ceiling; with 2+ replicas the second attempt usually lands
+    "initialBackoff": "0.05s",  # each pause is random in [0, backoff]: spreads the retries
+    "maxBackoff": "1s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": list(RETRYABLE_STATUS_CODES),
+}
+# gRPC's retry throttling: each failed attempt costs a token, each success earns 0.1, and no
+# retry is sent while fewer than half of maxTokens are left, so a fleet that keeps failing
+# is not sent five times its load.
+RETRY_THROTTLING = {"maxTokens": 100, "tokenRatio": 0.1}
+
+
+def service_config(*, retry: bool = True, round_robin: bool = False,
+                   health_service: str | None = SERVICE) -> dict[str, Any]:
+    """The gRPC service config of tfserve's channels (the `grpc.service_config` option).
+
+    retry: RETRY_POLICY for RETRIED_METHODS. round_robin: gRPC's round_robin balancer (a
+    connection to every address the target resolves to, calls spread per call) and, with
+    health_service, client-side health checking: the channel watches each replica's
+    grpc.health.v1 status of that service and sends no call to one that is not SERVING (a
+    replica that started draining, or is still loading). pick_first (round_robin False)
+    ignores health checking, so it is only set with round_robin.
+    """
+    config: dict[str, Any] = {}
+    if retry:
+        config["methodConfig"] = [{
+            "name": [{"service": SERVICE, "method": method} for method in RETRIED_METHODS],
+            "retryPolicy": RETRY_POLICY}]
+        config["retryThrottling"] = RETRY_THROTTLING
+    if round_robin:
+        config["loadBalancingConfig"] = [{"round_robin": {}}]
+        if health_service is not None:
+            config["healthCheckConfig"] = {"serviceName": health_service}
+    return config
+
+
+def _ip_address(address: str) -> tuple[int, str]:
+    """'HOST:PORT' with an IP literal host -> (IP version, the address as grpc's ipv4:/ipv6:
+    target lists it); ValueError otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address {address!r} is not HOST:PORT")
+    try:
+        ip = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        raise ValueError(
+            f"address {address!r}: a list of addresses takes IP addresses only (one "
+            "'dns:///NAME:PORT' target with round_robin=True resolves a name to every "
+            "replica)") from None
+    return ip.version, (f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}")
+
+
+def channel_target(target: str | Sequence[str]) -> str:
+    """A gRPC target: one target as given ('HOST:PORT', 'dns:///NAME:PORT', ...), or several
+    'IP:PORT' addresses as one 'ipv4:A,B,...' (or 'ipv6:...') target, a channel that
+    connects to each of them."""
+    if isinstance(target, str):
+        return target
+    addresses = list(target)
+    if not addresses:
+        raise ValueError("no server address given")
+    if len(addresses) == 1:
+        return addresses[0]
+    parsed = [_ip_address(address) for address in addresses]
+    versions = {version for version, _ in parsed}
+    if len(versions) > 1:
+        raise ValueError("a list of addresses is all IPv4 or all IPv6, not both")
+    return f"ipv{versions.pop()}:" + ",".join(address for _, address in parsed)
+
+
+def _channel_options(max_message_bytes: int, extra: Sequence[tuple[str, Any]] = (), *,
+                     retry: bool = True, round_robin: bool = False) -> list[tuple[str, Any]]:
+    """Message size limits, the service config (retries, balancing) and the caller's
+    channel options. A caller's own "grpc.service_config" replaces tfserve's, and a caller's
+    "grpc.lb_policy_name" chooses the balancer instead of round_robin."""
+    names = {name for name, _ in extra}
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.enable_retries", 1 if retry else 0)]
+    if "grpc.service_config" not in names:
+        config = service_config(retry=retry, round_robin=round_robin
+                                and "grpc.lb_policy_name" not in names)
+        if config:
+            options.append(("grpc.service_config", json.dumps(config)))
+    return [*options, *extra]
 
 
 class _Base:
-    def __init__(self, target: str, timeout: float | None, token: str | None,
+    def __init__(self, target: str | Sequence[str], timeout: float | None, token: str | None,
                  root_certificates: bytes | None, tls: bool) -> None:
-        self.target = target
+        self.target = channel_target(target)
         self.timeout = timeout
         self.metadata: list[tuple[str, str]] = (
             [("authorization", f"Bearer {token}")] if token else [])
@@ -197,17 +301,32 @@ class _Base:
         return self.timeout if timeout is None else timeout
 
 
-class Client(_Base):
-    """Blocking client; use as a context manager (or call close())."""
+def _round_robin(target: str | Sequence[str], round_robin: bool | None) -> bool:
+    """round_robin as asked; by default on for a list of several addresses."""
+    if round_robin is not None:
+        return round_robin
+    return not isinstance(target, str) and len(list(target)) > 1
 
-    def __init__(self, target: str, timeout: float | None = None, token: str | None = None,
-                 root_certificates: bytes | None = None, tls: bool = False,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
+
+class Client(_Base):
+    """Blocking client; use as a context manager (or call close()).
+
+    target: 'HOST:PORT', any gRPC target ('dns:///NAME:PORT'), or a list of 'IP:PORT'
+    addresses of replicas. retry: the retry policy of service_config (off: every failure is
+    the caller's). round_robin: spread calls over every address of the target, with
+    client-side health checking (default: on for a list of several addresses).
+    """
+
+    def __init__(self, target: str | Sequence[str], timeout: float | None = None,
+                 token: str | None = None, root_certificates: bytes | None = None,
+                 tls: bool = False, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 options: Sequence[tuple[str, Any]] = (), retry: bool = True,
+                 round_robin: bool | None = None) -> None:
         super().__init__(target, timeout, token, root_certificates, tls)
-        options = _channel_options(max_message_bytes, options)
-        self.channel = (grpc.secure_channel(target, self.credentials, options)
-                        if self.credentials else grpc.insecure_channel(target, options))
+        options = _channel_options(max_message_bytes, options, retry=retry,
+                                   round_robin=_round_robin(target, round_robin))
+        self.channel = (grpc.secure_channel(self.target, self.credentials, options)
+                        if self.credentials else grpc.insecure_channel(self.target, options))
         self.stub = pb2_grpc.TranslatorStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -283,16 +402,19 @@ class Client(_Base):
 
 
 class AsyncClient(_Base):
-    """asyncio client with Client's methods as coroutines; `async with AsyncClient(...)`."""
+    """asyncio client with Client's methods as coroutines and Client's arguments;
+    `async with AsyncClient(...)`."""
 
-    def __init__(self, target: str, timeout: float | None = None, token: str | None = None,
-                 root_certificates: bytes | None = None, tls: bool = False,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
+    def __init__(self, target: str | Sequence[str], timeout: float | None = None,
+                 token: str | None = None, root_certificates: bytes | None = None,
+                 tls: bool = False, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 options: Sequence[tuple[str, Any]] = (), retry: bool = True,
+                 round_robin: bool | None = None) -> None:
         super().__init__(target, timeout, token, root_certificates, tls)
-        options = _channel_options(max_message_bytes, options)
-        self.channel = (grpc.aio.secure_channel(target, self.credentials, options)
-                        if self.credentials else grpc.aio.insecure_channel(target, options))
+        options = _channel_options(max_message_bytes, options, retry=retry,
+                                   round_robin=_round_robin(target, round_robin))
+        self.channel = (grpc.aio.secure_channel(self.target, self.credentials, options)
+                        if self.credentials else grpc.aio.insecure_channel(self.target, options))
         self.stub = pb2_grpc.TranslatorStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 

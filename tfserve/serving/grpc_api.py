@@ -8,8 +8,8 @@ deadline, and answering a `Status` as a `grpc.StatusCode` (`GRPC_CODES`). Reques
 that do not parse become `Malformed` (`lenient_parser`), so that they are answered
 INVALID_ARGUMENT through the usual path (logged, counted) instead of grpc's UNKNOWN; the
 parser hands each on as `Received`, with its size (`Call.received`). A failed call is
-answered with the status set on the context, never by raising `context.abort`
-(`GrpcCall.fail` says why).
+answered with the status set on the context, not by raising `context.abort`, except a
+refusal with UNAVAILABLE, which clients may retry elsewhere (`GrpcCall.fail` says why).
 """
 
 from __future__ import annotations
@@ -152,10 +152,23 @@ class GrpcCall(Call):
         decoded from it) until the cyclic garbage collector runs. That collector counts
         objects, not bytes, and a refused request allocates few of them, so a client sending
         refused 15 MB requests kept dozens of them alive at once (docs/server.md, Memory).
+
+        Except UNAVAILABLE before any response metadata went out (a draining or starting
+        server refusing a call): that one is answered with `context.abort`, whose answer is
+        trailers-only (one HEADERS frame carrying the status, the request id in it). A gRPC
+        client retries a call only while the server has sent it nothing but that: grpc's
+        own ending of a unary handler sends an empty response message with the status, and
+        send_metadata() sends a stream's headers, either of which commits the call to this
+        replica. Such refusals come only from a server that is on its way out or not yet
+        serving, so the cycle above costs little.
         """
         status, details = self.failed(exc)
         if isinstance(exc, CALL_ENDED):
             raise exc
+        if status is Status.UNAVAILABLE and not self.metadata_sent:
+            self.metadata_sent = True
+            await self.context.abort(GRPC_CODES[status], details,
+                                     ((REQUEST_ID_KEY, self.request_id),))
         await self.send_metadata()
         self.context.set_code(GRPC_CODES[status])
         self.context.set_details(details)
