@@ -36,7 +36,7 @@ def test_the_retry_policy_covers_every_rpc_of_the_service() -> None:
     [method_config] = config["methodConfig"]
     assert [n["method"] for n in method_config["name"]] == list(RETRIED_METHODS)
     assert method_config["retryPolicy"] == RETRY_POLICY
-    assert RETRY_POLICY["retryableStatusCodes"] == ["UNAVAILABLE"]
+    assert RETRY_POLICY["retryableStatusCodes"] == ["UNAVAILABLE", "CANCELLED"]
     assert 2 <= RETRY_POLICY["maxAttempts"] <= 5  # gRPC takes at most 5
     assert "loadBalancingConfig" not in config and "healthCheckConfig" not in config
 
@@ -125,3 +125,35 @@ def test_a_draining_server_refusal_is_retried(random_model: Path) -> None:
             with pytest.raises(ServerError):
                 plain.translate(["seven"], max_new_tokens=2)
             assert refused(server) == 2 * attempts + 1
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
+                                  grpc.StatusCode.INTERNAL])
+def test_which_answers_are_retried(code: grpc.StatusCode) -> None:
+    """A stand-in server that answers every call with `code` (trailers-only, as a stopping
+    server does): the retryable codes are tried maxAttempts times, others once."""
+    from tfserve.client import pb2_grpc
+
+    attempts = []
+
+    class Refusing(pb2_grpc.TranslatorServicer):
+        async def Translate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            attempts.append(code)
+            await context.abort(code, "refused")
+
+    async def main() -> grpc.StatusCode:
+        server = grpc.aio.server()
+        pb2_grpc.add_TranslatorServicer_to_server(Refusing(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with AsyncClient(f"127.0.0.1:{port}", timeout=60) as client:
+                with pytest.raises(ServerError) as error:
+                    await client.translate(["seven"])
+                return error.value.code()
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(main()) == code
+    retried = code.name in RETRY_POLICY["retryableStatusCodes"]
+    assert len(attempts) == (RETRY_POLICY["maxAttempts"] if retried else 1)

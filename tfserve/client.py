@@ -20,8 +20,9 @@ one string for every text or a list with one per text. A failed call raises `Ser
 RuntimeError and a grpc.RpcError) carrying the status code and the server's message.
 
 Several replicas: every channel carries gRPC's retry policy for the read-only RPCs
-(`service_config`: an `UNAVAILABLE` call, what a draining replica answers and what the calls
-of a replica that died get, is sent again, up to 5 attempts; a stream is not retried once
+(`service_config`: a call answered `UNAVAILABLE`, what a draining replica answers and what
+the calls of a replica that died get, or `CANCELLED` by a server that stops, is sent again,
+up to 5 attempts; a stream is not retried once
 the server answered it), and a list of addresses, or `round_robin=True` with a `dns:///`
 name that resolves to every replica (a Kubernetes headless Service), spreads the calls over
 the replicas per call, skipping those whose gRPC health is not SERVING:
@@ -195,9 +196,12 @@ SERVICE = "tfserve.v1.Translator"
 RETRIED_METHODS = ("Translate", "TranslateStream", "Encode", "GetModelInfo", "ListModels")
 # UNAVAILABLE is what a draining replica answers, what the calls in flight on a replica that
 # died get (its connection is gone; through a proxy, the proxy's 502/503 reads as
-# UNAVAILABLE), and what a call gets when no replica is reachable at the moment. No other
-# status is retried: the others are answers of a live server to this request.
-RETRYABLE_STATUS_CODES = ("UNAVAILABLE",)
+# UNAVAILABLE), and what a call gets when no replica is reachable at the moment. CANCELLED
+# from the server is what gRPC answers for calls that reach a server while it stops, after
+# its drain, and for calls still running when the drain's grace period ends (a call the
+# client cancels itself is never retried). No other status is retried: the others are
+# answers of a live server to this request.
+RETRYABLE_STATUS_CODES = ("UNAVAILABLE", "CANCELLED")
 RETRY_POLICY: dict[str, Any] = {
     "maxAttempts": 5,  # gRPC's ceiling; with 2+ replicas the second attempt usually lands
     "initialBackoff": "0.05s",  # each pause is random in [0, backoff]: spreads the retries
