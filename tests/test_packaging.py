@@ -10,8 +10,13 @@ made read-only, and when the tests run as root every command runs as `nobody`, s
 into the install fails loudly. The same is done for an editable install of a read-only
 checkout, and a source tree nobody built must fail to import the stubs without writing.
 
-Builds run without build isolation (setuptools and grpcio-tools come with the dev extra);
-the environments get their dependencies from pip's index (or its cache).
+Builds run in a build environment holding pyproject.toml's [build-system].requires (the
+pinned grpcio-tools), as pip's build isolation makes one; the environments get their
+dependencies from pip's index (or its cache).
+
+The generated stubs run on old runtimes too: the wheel is installed with the floor versions
+of protobuf, grpcio, grpcio-health-checking and grpcio-reflection and serves, and (marked slow)
+beside tritonclient and kserve, which hold protobuf below 7.
 """
 
 from __future__ import annotations
@@ -80,10 +85,10 @@ def copy_source_tree(dest: Path) -> Path:
     return dest
 
 
-def build_backend(call: str, source: Path, out: Path) -> Path:
-    """setuptools.build_meta.<call>(out) in source, as pip does without build isolation."""
+def build_backend(call: str, source: Path, out: Path, python: Path) -> Path:
+    """setuptools.build_meta.<call>(out) in source, run by python (a build environment's)."""
     out.mkdir(parents=True, exist_ok=True)
-    done = run([sys.executable, "-c",
+    done = run([python, "-c",
                 "import sys; from setuptools import build_meta; "
                 f"print(build_meta.{call}(sys.argv[1]))", out], cwd=source)
     return out / done.stdout.strip().splitlines()[-1]
@@ -198,7 +203,8 @@ class Venv:
 
 
 def make_venv(work: Path, name: str, user: User, requirements: Sequence[str | Path]) -> Venv:
-    """A fresh venv (no system site-packages) with requirements installed, then read-only."""
+    """A fresh venv (no system site-packages) with requirements installed, then read-only.
+    requirements are pip install's arguments (`-c FILE` included)."""
     path = work / name
     run([user.python, "-m", "venv", path])
     home = work / f"{name}-home"  # onnxruntime keeps a telemetry id under $HOME/.cache
@@ -272,18 +278,32 @@ def user() -> User:
     return find_user()
 
 
+@pytest.fixture(scope="module")
+def build_python(work: Path) -> Path:
+    """The interpreter of a venv holding [build-system].requires: what pip's isolated build
+    installs (the dev environment's grpcio-tools writes code for its own protobuf)."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    path = work / "build-env"
+    run([sys.executable, "-m", "venv", path])
+    python = path / "bin" / "python"
+    run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+         *pyproject["build-system"]["requires"]])
+    return python
+
+
 @dataclass
 class Built:
     sdist: Path
     wheel: Path
+    metadata: str  # the wheel's METADATA
 
 
 @pytest.fixture(scope="module")
-def built(work: Path) -> Built:
+def built(work: Path, build_python: Path) -> Built:
     """sdist from a fresh-clone copy; wheel from the sdist with its shipped stubs removed."""
     source = copy_source_tree(work / "src")
     assert not (source / STUB_DIR).exists(), "the copy must hold no generated stubs"
-    sdist = build_backend("build_sdist", source, work / "dist")
+    sdist = build_backend("build_sdist", source, work / "dist", build_python)
     unpacked = work / "sdist"
     with tarfile.open(sdist) as archive:
         # the "data" filter (refuses links out of the tree) where this Python has it
@@ -292,8 +312,11 @@ def built(work: Path) -> Built:
     tree = next(unpacked.iterdir())
     # the wheel must make its own (a missing one is test_sdist_carries_...'s failure)
     shutil.rmtree(tree / "tfserve" / "proto" / "tfserve", ignore_errors=True)
-    wheel = build_backend("build_wheel", tree, work / "dist")
-    return Built(sdist, wheel)
+    wheel = build_backend("build_wheel", tree, work / "dist", build_python)
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = archive.read(next(n for n in archive.namelist()
+                                     if n.endswith(".dist-info/METADATA"))).decode()
+    return Built(sdist, wheel, metadata)
 
 
 @pytest.fixture(scope="module")
@@ -368,8 +391,9 @@ def test_grpcio_tools_is_a_build_requirement_only() -> None:
     build_pin = pins(pyproject["build-system"]["requires"])
     assert len(build_pin) == 1 and "==" in build_pin[0], "one exact pin: reproducible stubs"
     assert not pins(pyproject["project"]["dependencies"])
-    # the dev extra regenerates and builds without isolation: the same stubs as a build
-    assert pins(pyproject["project"]["optional-dependencies"]["dev"]) == build_pin
+    # the dev extra's grpcio-tools regenerates a checkout's stubs for the dev environment's
+    # own protobuf: unpinned, since the build's pin needs protobuf < 6
+    assert pins(pyproject["project"]["optional-dependencies"]["dev"]) == ["grpcio-tools"]
     assert pyproject["tool"]["setuptools"]["cmdclass"]["build_py"] == \
         "tfserve.proto_build.BuildPy"
 
@@ -415,8 +439,10 @@ def test_installed_wheel_cli_without_the_demo(venv: Venv) -> None:
     assert files_under(venv.path) == before
 
 
-def test_installed_wheel_serves_the_demo(venv: Venv, served_model: Path) -> None:
-    proc = venv.popen("-m", "tfserve", "serve", "--model", served_model, "--host", "127.0.0.1",
+def serve_and_translate(venv: Venv, model: Path) -> None:
+    """`python -m tfserve serve` on model in venv; its client and its CLI translate over gRPC,
+    then the server stops cleanly on SIGTERM."""
+    proc = venv.popen("-m", "tfserve", "serve", "--model", model, "--host", "127.0.0.1",
                       "--port", "0", "--metrics-port", "0", "--http-port", "0", "--threads", "1",
                       "--log-format", "json", "--log-level", "info")
     log = LogReader(proc)
@@ -431,6 +457,109 @@ def test_installed_wheel_serves_the_demo(venv: Venv, served_model: Path) -> None
     assert proc.wait(TIMEOUT) == 0, "".join(log.lines[-30:])
 
 
+def test_installed_wheel_serves_the_demo(venv: Venv, served_model: Path) -> None:
+    serve_and_translate(venv, served_model)
+
+
+def installed_versions(venv: Venv, names: Sequence[str]) -> dict[str, str]:
+    done = venv.run("-c", "import sys\nfrom importlib.metadata import version\n"
+                          "for name in sys.argv[1:]: print(name, version(name))", *names)
+    assert done.returncode == 0, done.stderr
+    return dict(line.split() for line in done.stdout.splitlines())
+
+
+def release(version: str) -> tuple[int, ...]:
+    """'1.60.0' -> (1, 60): a release number without trailing zeros (1.60 == 1.60.0)."""
+    parts = [int(part) for part in version.split(".")]
+    while len(parts) > 1 and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def assert_stubs_import_quietly(venv: Venv) -> None:
+    """The stubs import with every warning an error (protobuf 6.30 and 6.31 warn about 5.x
+    gencode; a runtime that refuses it raises)."""
+    done = venv.run("-W", "error", "-c", "from tfserve.proto import load; load()")
+    assert done.returncode == 0, done.stderr
+
+
+# -- the oldest runtimes the wheel allows -------------------------------------------------------
+
+FLOORED = ("protobuf", "grpcio", "grpcio-health-checking", "grpcio-reflection")
+
+
+def test_floors_are_what_the_stubs_need(built: Built, work: Path) -> None:
+    """grpcio's and protobuf's floors are exactly the versions the generated code checks: no
+    lower (the build would fail), no higher (tfserve would refuse environments it runs in)."""
+    floors = proto_build.declared_floors(base_requirements(built.metadata))
+    assert set(FLOORED) <= set(floors), floors
+    out = work / "wheel-stubs"
+    with zipfile.ZipFile(built.wheel) as wheel:
+        wheel.extractall(out, [n for n in wheel.namelist() if n.startswith("tfserve/proto/")])
+    needed = proto_build.needed_runtime(out / "tfserve" / "proto")
+    assert {name: floors[name] for name in needed} == needed
+    # protobuf 5.x: tfserve installs beside packages that hold protobuf below 6
+    assert needed["protobuf"][0] == 5
+
+
+@pytest.fixture(scope="module")
+def floor_venv(work: Path, user: User, built: Built) -> Iterator[Venv]:
+    """The wheel with protobuf, grpcio, grpcio-health-checking and grpcio-reflection at the
+    floors its metadata declares (a constraints file holds them), the rest as pip resolves."""
+    floors = proto_build.declared_floors(base_requirements(built.metadata))
+    constraints = work / "floors.txt"
+    constraints.write_text("".join(
+        f"{name}=={'.'.join(map(str, floors[name]))}\n" for name in FLOORED))
+    constraints.chmod(0o644)
+    venv = make_venv(work, "floor-venv", user, ["-c", constraints, built.wheel])
+    yield venv
+    for proc in venv.processes:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+
+
+def test_wheel_serves_on_the_floor_versions(floor_venv: Venv, built: Built,
+                                            served_model: Path) -> None:
+    floors = proto_build.declared_floors(base_requirements(built.metadata))
+    installed = installed_versions(floor_venv, FLOORED)
+    assert {name: release(v) for name, v in installed.items()} == \
+        {name: release(".".join(map(str, floors[name]))) for name in FLOORED}
+    assert_stubs_import_quietly(floor_venv)
+    serve_and_translate(floor_venv, served_model)
+
+
+# -- beside the ecosystem -----------------------------------------------------------------------
+
+ECOSYSTEM = ("tritonclient[http,grpc]", "kserve")
+
+
+@pytest.mark.slow
+def test_wheel_installs_beside_tritonclient_and_kserve(work: Path, user: User, built: Built,
+                                                       served_model: Path) -> None:
+    """One environment with tfserve, tritonclient's HTTP and gRPC clients and kserve (both
+    hold protobuf below 7): pip resolves it, `pip check` is clean, each imports beside
+    tfserve and tfserve serves and answers its own client."""
+    venv = make_venv(work, "ecosystem-venv", user, [built.wheel, *ECOSYSTEM])
+    try:
+        check = venv.run("-m", "pip", "check")
+        assert check.returncode == 0, check.stdout + check.stderr
+        # each beside tfserve, one process each: kserve and tritonclient.grpc both register
+        # the open inference protocol's `inference.*` messages in protobuf's default pool, so
+        # one process cannot import both (with or without tfserve)
+        for other in ("kserve", "tritonclient.grpc, tritonclient.http"):
+            done = venv.run("-c", f"import tfserve.client, tfserve.server, {other}")
+            assert done.returncode == 0, done.stderr
+        assert installed_versions(venv, ["protobuf"])["protobuf"].split(".")[0] != "7"
+        assert_stubs_import_quietly(venv)
+        serve_and_translate(venv, served_model)
+    finally:
+        for proc in venv.processes:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(TIMEOUT)
+
+
 def test_runs_as_another_user(user: User) -> None:
     """The read-only checks above mean something only for a non-root user."""
     if not user.other:
@@ -441,12 +570,13 @@ def test_runs_as_another_user(user: User) -> None:
 # -- an editable install of a read-only checkout ------------------------------------------------
 
 
-def test_editable_install_generates_the_stubs_at_install_time(work: Path, user: User) -> None:
+def test_editable_install_generates_the_stubs_at_install_time(work: Path, user: User,
+                                                              build_python: Path) -> None:
     """pip install -e: the build (not the first import) writes the stubs into the checkout;
     the checkout can then be read-only and another user's."""
     source = copy_source_tree(work / "editable-src")
     assert not (source / STUB_DIR).exists()
-    editable = build_backend("build_editable", source, work / "editable-dist")
+    editable = build_backend("build_editable", source, work / "editable-dist", build_python)
     assert all((source / STUB_DIR / name).is_file() for name in STUBS)
     subprocess.run(["chmod", "-R", "a+rX", str(source)], check=True)
     make_read_only(source)
@@ -499,3 +629,19 @@ def test_a_build_refuses_floors_below_what_its_stubs_check() -> None:
         proto_build.check_floors(["grpcio>=1.60", f"protobuf>={protobuf}"])
     with pytest.raises(RuntimeError, match="need protobuf>="):
         proto_build.check_floors([f"grpcio>={grpcio}", "protobuf"])
+
+
+def test_needed_protobuf_from_the_gencode_header_without_a_runtime_check(
+        tmp_path: Path) -> None:
+    """Code from protoc releases without ValidateProtobufRuntimeVersion (grpcio-tools 1.63 to
+    1.65) names its gencode version only in its header: that version is the floor."""
+    stubs = tmp_path / "tfserve" / "v1"
+    stubs.mkdir(parents=True)
+    (stubs / "x_pb2.py").write_text("# -*- coding: utf-8 -*-\n"
+                                    "# Protobuf Python Version: 5.26.1\n"
+                                    "from google.protobuf import descriptor as _descriptor\n")
+    (stubs / "x_pb2_grpc.py").write_text("GRPC_GENERATED_VERSION = '1.63.2'\n")
+    assert proto_build.needed_runtime(tmp_path) == {"grpcio": (1, 63, 2),
+                                                    "protobuf": (5, 26, 1)}
+    with pytest.raises(RuntimeError, match="need protobuf>=5.26.1"):
+        proto_build.check_floors(["grpcio>=1.63.2", "protobuf>=5.26"], tmp_path)

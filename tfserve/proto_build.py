@@ -10,6 +10,11 @@ and an editable install writes them into the source tree. grpcio-tools is a buil
 only; nothing runs protoc when tfserve is imported, and an installed tfserve never writes to
 its own directory. The generated files are not committed (tfserve/proto/.gitignore).
 
+Builds use the grpcio-tools pinned in [build-system].requires, an old release on purpose:
+the code it writes imports on protobuf 5.x, 6.x and 7.x and on grpcio from that release on
+(pyproject.toml says why that release). The build hooks check that the stubs they wrote need
+no more than the package's grpcio/protobuf floors (`check_floors`).
+
 In a source checkout, `python -m tfserve.proto_build` regenerates them after a .proto change
 and `python -m tfserve.proto_build --check` says whether they match the .proto sources.
 
@@ -165,13 +170,17 @@ def clean(out_dir: Path = OUT_DIR) -> None:
 # -- runtime versions the stubs need ----------------------------------------------------------
 # Generated modules check the installed runtime when imported: `*_pb2_grpc.py` refuses a
 # grpcio older than the grpcio-tools that wrote it, `*_pb2.py` a protobuf older than protoc's
-# gencode version. A wheel must therefore require at least those versions; `check_floors`
-# makes a build fail when pyproject.toml's dependencies promise less.
+# gencode version (protobuf's runtime_version.ValidateProtobufRuntimeVersion). A wheel must
+# therefore require at least those versions; `check_floors` makes a build fail when
+# pyproject.toml's dependencies promise less. Code from protoc releases without that call
+# (grpcio-tools 1.63 to 1.65) still names its gencode version in its header, which is used
+# instead: it was written against that runtime.
 
 _GRPC_GENERATED = re.compile(r"^GRPC_GENERATED_VERSION = '([0-9.]+)'", re.M)
 _PROTOBUF_GENERATED = re.compile(
     r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*"
     r"(\d+),\s*(\d+),\s*(\d+),")
+_PROTOBUF_HEADER = re.compile(r"^# Protobuf Python Version: (\d+)\.(\d+)\.(\d+)", re.M)
 _REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*([^;]*)")
 
 
@@ -192,7 +201,8 @@ def needed_runtime(out_dir: Path = OUT_DIR) -> dict[str, tuple[int, ...]]:
         if match:
             needed["grpcio"] = max(needed.get("grpcio", ()), _version(match.group(1)))
     for path in (out_dir / "tfserve").rglob("*_pb2.py"):
-        found = _PROTOBUF_GENERATED.search(path.read_text())
+        text = path.read_text()
+        found = _PROTOBUF_GENERATED.search(text) or _PROTOBUF_HEADER.search(text)
         if found:
             version = tuple(int(group) for group in found.groups())
             needed["protobuf"] = max(needed.get("protobuf", ()), version)
@@ -223,8 +233,20 @@ def check_floors(requirements: list[str], out_dir: Path = OUT_DIR) -> None:
             raise RuntimeError(
                 f"the generated gRPC stubs need {name}>={shown} at run time, but the "
                 f"package requires {name}>={'.'.join(map(str, floor or ())) or '(any)'}: "
-                f"raise that floor in pyproject.toml's [project].dependencies, or build with "
-                f"the grpcio-tools pinned in [build-system].requires")
+                f"build with the grpcio-tools pinned in pyproject.toml's "
+                f"[build-system].requires (pip's default isolated build installs it; this "
+                f"build's stubs came from grpcio-tools {_tools_version()}), or raise that "
+                f"floor in [project].dependencies")
+
+
+def _tools_version() -> str:
+    """The installed grpcio-tools release, for messages ('unknown' without one)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("grpcio-tools")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 # -- setuptools build hooks ---------------------------------------------------------------------

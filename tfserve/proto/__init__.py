@@ -7,6 +7,10 @@ install generates them into the source tree (the build hooks in tfserve/proto_bu
 importing them only imports, so an installed tfserve never writes to its own directory and
 never needs grpcio-tools. After a .proto change in a source checkout,
 `python -m tfserve.proto_build` regenerates them.
+
+A wheel's modules come from the grpcio-tools pinned in pyproject.toml's [build-system]: they
+import on protobuf 5.29.0 and later (5.x, 6.x, 7.x) and grpcio 1.71.2 and later, the floors
+of tfserve's dependencies.
 """
 
 from __future__ import annotations
