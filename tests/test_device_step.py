@@ -12,7 +12,7 @@ from tests.exported import artifacts
 from tfserve.batch import DecodeBatch, Joining
 from tfserve.generation import DecodingOptions, Hypothesis, make_search
 from tfserve.runtime import Runtime
-from tfserve.runtime.step_graph import CACHE_ROWS, with_row_gather
+from tfserve.runtime.step_graph import CACHE_ROWS, rewritten_decoder
 
 
 def sources(runtime: Runtime, lengths: list[int], seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -154,4 +154,4 @@ def test_the_row_gather_rewrite_refuses_a_graph_that_is_not_a_decoder(tmp_path) 
     runtime = Runtime(artifacts("rope", "pre"))
     encoder = runtime.directory / runtime.manifest.encoder_file
     with pytest.raises(ValueError, match="has no input 'past_key_0'"):
-        with_row_gather(encoder, ["past_key_0"])
+        rewritten_decoder(encoder, ["past_key_0"])

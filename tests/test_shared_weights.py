@@ -202,9 +202,9 @@ MEMORY_CHILD = textwrap.dedent("""
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
 
-    directory = sys.argv[1]
+    directory, pack = sys.argv[1], sys.argv[2] == "packed"
     before = anonymous()
-    runtime = Runtime(directory, intra_op_threads=1)
+    runtime = Runtime(directory, intra_op_threads=1, pack_weights=pack)
     ids = np.full((4, 10), 5, np.int64)
     ids[:, -1] = runtime.eos_token_id
     generate(runtime, ids, np.ones_like(ids), DecodingOptions(max_new_tokens=4,
@@ -223,12 +223,14 @@ MEMORY_CHILD = textwrap.dedent("""
 """)
 
 
-def memory_after_load(directory: Path) -> dict:
+def memory_after_load(directory: Path, packing: str = "shared") -> dict:
     """In a child process (no torch): the anonymous memory grown over load and a short
-    generation, and the resident bytes of each mapping of the artifacts' files."""
+    generation, and the resident bytes of each mapping of the artifacts' files; packing
+    "packed": the runtime pre-packs the tied projection's weight (Runtime(pack_weights))."""
     import json
 
-    done = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(directory)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(directory), packing],
+                          cwd=ROOT,
                           capture_output=True, text=True, timeout=300, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -242,6 +244,10 @@ def test_the_process_holds_one_copy() -> None:
     assert new["mapped"][SHARED][0] >= TABLE_BYTES // 2  # every row scored each step
     # the old layout also held the projection's pre-packed copy (anonymous memory)
     assert old["anonymous_growth"] - new["anonymous_growth"] >= 0.75 * TABLE_BYTES, (old, new)
+    # pre-packed on request (CPU's default, for speed): one packed copy more, no other
+    packed = memory_after_load(exported(), "packed")
+    more = packed["anonymous_growth"] - new["anonymous_growth"]
+    assert 0.75 * TABLE_BYTES <= more <= 1.5 * TABLE_BYTES, (packed, new)
 
 
 def test_tokens_are_those_of_the_old_layout() -> None:
@@ -280,3 +286,31 @@ def test_fp16_and_int8_exports_pass_parity() -> None:
     assert len(shared) == 1 and len(places[shared[0]]) == 2, places
     assert (int8 / SHARED).stat().st_size == VOCAB * D_MODEL
     Runtime(int8)  # loads, runs one step
+
+
+def test_cpu_pre_packs_the_tied_projection_by_default() -> None:
+    """On CPU the runtime makes the tied table a constant of its decoder session, so ONNX
+    Runtime pre-packs it for the projection (`pack_weights`, default on CPU); asked not to,
+    the table stays an overridable input, one copy. The tokens and scores are the same."""
+    from tfserve.runtime.packed_weights import constant_weights
+
+    packed, shared = Runtime(exported()), Runtime(exported(), pack_weights=False)
+    assert packed.pack_weights and packed.describe()["pack_weights"]
+    assert not shared.pack_weights
+    assert [v.name for v in shared.decoder.get_overridable_initializers()] == [
+        "model.shared.weight"]
+    assert packed.decoder.get_overridable_initializers() == []
+    rng = np.random.default_rng(5)
+    sources = [rng.integers(3, 111, size=n).tolist() + [1] for n in (3, 8, 5)]
+    ids, mask = packed.tokenizer.pad_batch(sources)
+    for beams in (1, 3):
+        options = DecodingOptions(max_new_tokens=10, num_beams=beams)
+        got, want = generate(packed, ids, mask, options), generate(shared, ids, mask, options)
+        assert [[h.token_ids for h in r] for r in got] == \
+               [[h.token_ids for h in r] for r in want], f"beams {beams}"
+        for r_got, r_want in zip(got, want):
+            for h_got, h_want in zip(r_got, r_want):
+                assert abs(h_got.score - h_want.score) <= 1e-4
+    # a graph without such inputs (the encoder) is left as it is
+    encoder = (exported() / "encoder.onnx").read_bytes()
+    assert constant_weights(encoder) == (encoder, [])

@@ -35,6 +35,7 @@ FORMAT_VERSION = 1
 # made by an older revision is re-exported on first use.
 GRAPH_REVISION = 8
 GROUPED_CROSS_REVISION = 5  # the first revision whose decoder takes grouped cross rows
+SHARED_TABLE_REVISION = 8  # the first whose decoder lists its tied token table as an input
 MANIFEST_FILE = "model.json"
 
 

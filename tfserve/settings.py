@@ -111,6 +111,9 @@ SERVER_SETTINGS: tuple[Setting, ...] = (
             "playground page (0 disables; docs/server.md, HTTP API)", (0, 65535)),
     _DEVICE,
     _THREADS,
+    Setting("pack_weights", bool, True, "on CPU, let ONNX Runtime pre-pack the output "
+            "projection's weight where it is the tied token table (its fastest kernel; one "
+            "more copy of the table in memory); false keeps one copy, for slower decoder steps"),
     Setting("workers", int, 1, "server processes sharing --port and --http-port, each with its "
             "own model copy, batch and interpreter lock; the kernel spreads client connections "
             "over them; --metrics-port serves all their metrics (label worker), worker i its "

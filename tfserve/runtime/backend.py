@@ -20,6 +20,7 @@ from tfserve.generation import StepOutput
 from tfserve.manifest import (
     GROUPED_CROSS_REVISION,
     MANIFEST_FILE,
+    SHARED_TABLE_REVISION,
     TOP_CANDIDATES,
     TOP_OUTPUTS,
     GraphFacts,
@@ -30,9 +31,15 @@ from tfserve.manifest import (
     read_graph_facts,
 )
 from tfserve.runtime.cache import CacheStorage, DeviceCache, HostCache, RunCounters
+from tfserve.runtime.packed_weights import constant_weights
 from tfserve.runtime.providers import PROVIDERS, ProviderError, make_session, parse_device
 from tfserve.runtime.shared_weights import shared_initializers
-from tfserve.runtime.step_graph import CACHE_ROWS, loads_rewritten_graphs, with_row_gather
+from tfserve.runtime.step_graph import (
+    CACHE_ROWS,
+    loads_rewritten_graphs,
+    reads_graph_bytes,
+    rewritten_decoder,
+)
 from tfserve.tokenizer import Tokenizer
 
 
@@ -48,8 +55,12 @@ class Runtime:
         optimization: str = "all",
         device_cache: bool | None = None,
         allow_spinning: bool = False,
+        pack_weights: bool | None = None,
     ) -> None:
-        """device_cache: keep the KV cache as OrtValues on the device (default: on CUDA)."""
+        """device_cache: keep the KV cache as OrtValues on the device (default: on CUDA).
+        pack_weights: on CPU, let ONNX Runtime pre-pack the tied output projection's weight
+        (its fastest kernel, one more copy of the token table; default: on CPU;
+        tfserve.runtime.packed_weights)."""
         self.directory = Path(artifacts_dir)
         self.manifest = Manifest.load(self.directory)
         self.config = cfg = self.manifest.config
@@ -90,11 +101,11 @@ class Runtime:
         # decoder graph with cache_rows, tfserve.runtime.step_graph); the host placement moves
         # only the rows that change, in place, which is cheaper there than a gather of all
         self.reorders_in_step = self.device_cache and loads_rewritten_graphs()
+        cpu = self.device_kind == "cpu"
+        self.pack_weights = cpu if pack_weights is None else pack_weights and cpu
         self.encoder = _load_graph(graph_files[0], session_args, shared[0])
         self.decoder = None if self.encoder_only else _load_graph(
-            graph_files[1], session_args, shared[1],
-            with_row_gather(graph_files[1], self._past_names) if self.reorders_in_step
-            else None)
+            graph_files[1], session_args, shared[1], self._decoder_bytes(graph_files[1]))
         # the session that tells the providers and threads (the decoder's, where there is one)
         self._session = self.decoder or self.encoder
         self.float_dtype = np.float16 if self.manifest.dtype == "fp16" else np.float32
@@ -123,6 +134,19 @@ class Runtime:
                         self._session.get_providers())
             if self.device_cache else HostCache(*cache_shape))
         self._check_against_graphs(encoder_facts, decoder_facts)
+
+    def _decoder_bytes(self, path: Path) -> bytes | None:
+        """The decoder graph rewritten for how this runtime runs it (None: the file as it
+        is): cache_rows where it reorders in the step, its tied table constant where it
+        pre-packs weights."""
+        model = (rewritten_decoder(path, self._past_names) if self.reorders_in_step
+                 else None)
+        revision = self.manifest.provenance.get("graph_revision", 1)
+        if self.pack_weights and revision >= SHARED_TABLE_REVISION and reads_graph_bytes():
+            packed, names = constant_weights(path.read_bytes() if model is None else model)
+            if names:
+                model = packed
+        return model
 
     def _check_against_graphs(self, encoder_facts: GraphFacts,
                               decoder_facts: GraphFacts | None) -> None:
@@ -278,6 +302,8 @@ class Runtime:
             "providers": self._session.get_providers(),
             "intra_op_threads": self._session.get_session_options().intra_op_num_threads,
             "dtype": self.manifest.dtype,
+            # the tied projection's weight pre-packed (tfserve.runtime.packed_weights)
+            "pack_weights": self.pack_weights,
             "quantization": self.manifest.quantization,
         }
 

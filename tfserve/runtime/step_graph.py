@@ -24,18 +24,23 @@ CACHE_ROWS = "cache_rows"
 EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 
 
-def loads_rewritten_graphs() -> bool:
+def reads_graph_bytes() -> bool:
     """Whether this ONNX Runtime reads a graph given as bytes with its weights in files
-    (EXTERNAL_DATA_FOLDER: 1.21 and later), and the `onnx` package is there to rewrite it."""
-    import importlib.util
-
+    (EXTERNAL_DATA_FOLDER: 1.21 and later)."""
     import onnxruntime as ort
 
     major, minor = (int(part) for part in ort.__version__.split(".")[:2])
-    return (major, minor) >= (1, 21) and importlib.util.find_spec("onnx") is not None
+    return (major, minor) >= (1, 21)
 
 
-def with_row_gather(decoder: Path, past_names: list[str]) -> bytes:
+def loads_rewritten_graphs() -> bool:
+    """reads_graph_bytes, and the `onnx` package is there to rewrite the graph."""
+    import importlib.util
+
+    return reads_graph_bytes() and importlib.util.find_spec("onnx") is not None
+
+
+def rewritten_decoder(decoder: Path, past_names: list[str]) -> bytes:
     """The decoder graph at `decoder` (its weights left in their files) with the
     `cache_rows` input: every consumer of past_key_l / past_value_l reads
     Gather(past, cache_rows, axis 0) instead."""

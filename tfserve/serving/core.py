@@ -44,7 +44,8 @@ def load_runtime(config: ServerConfig) -> Any:
         from tfserve.demo import default_artifacts
 
         model = default_artifacts()
-    return Runtime(model, device=config.device, intra_op_threads=config.threads)
+    return Runtime(model, device=config.device, intra_op_threads=config.threads,
+                   pack_weights=config.pack_weights)
 
 
 class ServingCore:

@@ -39,7 +39,8 @@ class RuntimeLoader:
         from tfserve.runtime import Runtime
 
         return Runtime(entry.path, device=self.config.device,
-                       intra_op_threads=self.config.threads)
+                       intra_op_threads=self.config.threads,
+                       pack_weights=self.config.pack_weights)
 
 
 def runtime_loader(config: ServerConfig) -> Loader:
