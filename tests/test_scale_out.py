@@ -222,6 +222,19 @@ def kill_under_load(plain: Client, retrying: Client, victim: Replica,
         return list(plain_runs), list(retry_runs)
 
 
+def spread_then_kill(client: Client, plain: Client, replicas: list[Replica], victim: Replica,
+                     gate: ProcessGate) -> None:
+    """Every replica takes some of SPREAD_CALLS calls; then, the victim killed under load,
+    the calls it held (one per thread) fail without retries and are answered with them,
+    and every other call is answered."""
+    per_replica = spread(client, replicas, SPREAD_CALLS)
+    assert sum(per_replica) == SPREAD_CALLS and min(per_replica) > 0, per_replica
+    plain_runs, retry_runs = kill_under_load(plain, client, victim, gate)
+    assert sorted(plain_runs) == ["OK"] * (LOAD_CALLS - THREADS) + (
+        ["UNAVAILABLE"] * THREADS), plain_runs
+    assert retry_runs == ["OK"] * LOAD_CALLS, retry_runs
+
+
 def start_drain(replica: Replica, gate: ProcessGate) -> tuple[grpc.Channel, Any]:
     """SIGTERM to a replica that holds one call (its decoder steps are held), so that it stays
     draining, NOT_SERVING, until the gate opens; the held call, a TranslateStream."""
@@ -298,15 +311,7 @@ def test_haproxy_spreads_calls_survives_a_kill_and_skips_a_drain(
         proxy.wait_status({f"replica{n}": "UP" for n in range(1, REPLICAS + 1)})
         with Client(proxy.target, timeout=WAIT_S) as client, \
                 Client(proxy.target, timeout=WAIT_S, retry=False) as plain:
-            per_replica = spread(client, started, SPREAD_CALLS)
-            assert sum(per_replica) == SPREAD_CALLS and min(per_replica) > 0, per_replica
-
-            plain_runs, retry_runs = kill_under_load(plain, client, victim, kill_gate)
-            # the calls the victim held, one per thread: failed without retries, answered
-            # with them; every other call answered
-            assert sorted(plain_runs) == ["OK"] * (LOAD_CALLS - THREADS) + (
-                ["UNAVAILABLE"] * THREADS), plain_runs
-            assert retry_runs == ["OK"] * LOAD_CALLS, retry_runs
+            spread_then_kill(client, plain, started, victim, kill_gate)
 
             channel, stream = start_drain(draining, drain_gate)
             check_drain_is_skipped(client, draining, [first], lambda: proxy.servers().get(
@@ -325,13 +330,7 @@ def test_client_round_robin_spreads_calls_survives_a_kill_and_skips_a_drain(
     with Client(addresses, timeout=WAIT_S) as client, \
             Client(addresses, timeout=WAIT_S, retry=False) as plain:
         assert client.target.startswith("ipv4:127.0.0.1:")
-        per_replica = spread(client, started, SPREAD_CALLS)
-        assert sum(per_replica) == SPREAD_CALLS and min(per_replica) > 0, per_replica
-
-        plain_runs, retry_runs = kill_under_load(plain, client, victim, kill_gate)
-        assert sorted(plain_runs) == ["OK"] * (LOAD_CALLS - THREADS) + (
-            ["UNAVAILABLE"] * THREADS), plain_runs
-        assert retry_runs == ["OK"] * LOAD_CALLS, retry_runs
+        spread_then_kill(client, plain, started, victim, kill_gate)
 
         # the client watches each replica's health (healthCheckConfig): the draining one is
         # out once calls stop reaching it, one round over the live replicas in a row

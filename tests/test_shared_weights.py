@@ -250,6 +250,15 @@ def test_the_process_holds_one_copy() -> None:
     assert 0.75 * TABLE_BYTES <= more <= 1.5 * TABLE_BYTES, (packed, new)
 
 
+def assert_same(got: list, want: list, label: str) -> None:
+    """The same hypotheses per source: tokens equal, scores within 1e-4."""
+    assert [[h.token_ids for h in r] for r in got] == \
+           [[h.token_ids for h in r] for r in want], label
+    for r_got, r_want in zip(got, want):
+        for h_got, h_want in zip(r_got, r_want):
+            assert abs(h_got.score - h_want.score) <= 1e-4, label
+
+
 def test_tokens_are_those_of_the_old_layout() -> None:
     new, old = Runtime(exported()), Runtime(exported("old"))
     rng = np.random.default_rng(3)
@@ -257,12 +266,8 @@ def test_tokens_are_those_of_the_old_layout() -> None:
     ids, mask = new.tokenizer.pad_batch(sources)
     for beams in (1, 4):
         options = DecodingOptions(max_new_tokens=12, num_beams=beams)
-        got, want = generate(new, ids, mask, options), generate(old, ids, mask, options)
-        assert [[h.token_ids for h in r] for r in got] == \
-               [[h.token_ids for h in r] for r in want], f"beams {beams}"
-        for r_got, r_want in zip(got, want):
-            for h_got, h_want in zip(r_got, r_want):
-                assert abs(h_got.score - h_want.score) <= 1e-4
+        assert_same(generate(new, ids, mask, options), generate(old, ids, mask, options),
+                    f"beams {beams}")
 
 
 def test_fp16_and_int8_exports_pass_parity() -> None:
@@ -305,12 +310,8 @@ def test_cpu_pre_packs_the_tied_projection_by_default() -> None:
     ids, mask = packed.tokenizer.pad_batch(sources)
     for beams in (1, 3):
         options = DecodingOptions(max_new_tokens=10, num_beams=beams)
-        got, want = generate(packed, ids, mask, options), generate(shared, ids, mask, options)
-        assert [[h.token_ids for h in r] for r in got] == \
-               [[h.token_ids for h in r] for r in want], f"beams {beams}"
-        for r_got, r_want in zip(got, want):
-            for h_got, h_want in zip(r_got, r_want):
-                assert abs(h_got.score - h_want.score) <= 1e-4
+        assert_same(generate(packed, ids, mask, options),
+                    generate(shared, ids, mask, options), f"beams {beams}")
     # a graph without such inputs (the encoder) is left as it is
     encoder = (exported() / "encoder.onnx").read_bytes()
     assert constant_weights(encoder) == (encoder, [])
