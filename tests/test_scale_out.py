@@ -60,12 +60,6 @@ def _wait(predicate: Callable[[], bool], what: str, poll: Callable[[], None] = l
         poll()
 
 
-def _pause() -> None:
-    """Between two reads of another process's state: let it run (not a synchronisation:
-    every wait re-reads the state until it holds)."""
-    time.sleep(0.02)
-
-
 def scrape(metrics_port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """A replica's Prometheus samples, keyed by (name, sorted labels)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -168,12 +162,12 @@ class Proxy:
         return {row["svname"]: row["status"] for row in csv.DictReader(io.StringIO(text))
                 if row["pxname"] == "tfserve" and row["svname"].startswith("replica")}
 
-    def wait_status(self, expected: dict[str, str],
-                    poll: Callable[[], None] = _pause) -> None:
+    def wait_status(self, expected: dict[str, str]) -> None:
         try:
+            # each check is a request to HAProxy's stats page: the reads pace the wait
             _wait(lambda: all(self.servers().get(name) == status
                               for name, status in expected.items()),
-                  f"HAProxy to see {expected}", poll)
+                  f"HAProxy to see {expected}")
         except AssertionError as error:
             raise AssertionError(f"{error}; it sees {self.servers()}; its log:\n"
                                  f"{self.log.read_text()[-3000:]}") from None
@@ -213,8 +207,9 @@ def kill_under_load(plain: Client, retrying: Client, victim: Replica,
         plain_runs = plain_pool.map(lambda _: outcome(plain), range(LOAD_CALLS))
         retry_runs = retry_pool.map(lambda _: outcome(retrying), range(LOAD_CALLS))
         try:
+            # each check scrapes the victim's /metrics: the reads pace the wait
             _wait(lambda: victim.in_flight() == 2 * THREADS,
-                  f"the victim to hold {2 * THREADS} calls", _pause)
+                  f"the victim to hold {2 * THREADS} calls")
         finally:  # killed first, then the gate opened: the calls it holds never finish
             victim.process.proc.send_signal(signal.SIGKILL)
             gate.release()
