@@ -414,31 +414,42 @@ def _tensor_fields(data: mmap.mmap, start: int, end: int) -> _TensorFields:
     return _TensorFields(name, data_type, dims, external)
 
 
-def _fields(data: mmap.mmap, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
-    """The fields of the message in data[start:end] as (number, wire type, a, b): a varint's
-    value in a, a length-delimited field's bytes at data[a:b]; fixed-size fields skipped."""
+def _field_spans(data: mmap.mmap | bytes, start: int, end: int
+                 ) -> Iterator[tuple[int, int, int, int, int]]:
+    """The fields of the message in data[start:end] as (number, wire type, first, a, b): the
+    whole field (key included) is data[first:b], its value data[a:b] (a length-delimited
+    field's bytes, a varint's encoding, a fixed-size field's bytes)."""
     position = start
     while position < end:
+        first = position
         key, position = _varint(data, position)
         number, wire = key >> 3, key & 7
         if wire == _VARINT:
-            value, position = _varint(data, position)
-            yield number, wire, value, 0
+            _, after = _varint(data, position)
         elif wire == _LENGTH:
             length, position = _varint(data, position)
-            if position + length > end:
-                raise ValueError("truncated: a field runs past the end of its message")
-            yield number, wire, position, position + length
-            position += length
+            after = position + length
         elif wire in (_FIXED64, _FIXED32):
-            position += 8 if wire == _FIXED64 else 4
+            after = position + (8 if wire == _FIXED64 else 4)
         else:
             raise ValueError(f"wire type {wire} is not in ONNX files")
-    if position != end:
-        raise ValueError("truncated: a field runs past the end of its message")
+        if after > end:
+            raise ValueError("truncated: a field runs past the end of its message")
+        yield number, wire, first, position, after
+        position = after
 
 
-def _varint(data: mmap.mmap, position: int) -> tuple[int, int]:
+def _fields(data: mmap.mmap, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """The fields of the message in data[start:end] as (number, wire type, a, b): a varint's
+    value in a, a length-delimited field's bytes at data[a:b]; fixed-size fields skipped."""
+    for number, wire, _, a, b in _field_spans(data, start, end):
+        if wire == _VARINT:
+            yield number, wire, _varint(data, a)[0], 0
+        elif wire == _LENGTH:
+            yield number, wire, a, b
+
+
+def _varint(data: mmap.mmap | bytes, position: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         byte = data[position]

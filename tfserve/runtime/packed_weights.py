@@ -17,9 +17,13 @@ no `onnx` package) and touches nothing but the graph's `input` entries.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-from tfserve.manifest import _GRAPH_INITIALIZER, _LENGTH, _MODEL_GRAPH, _TENSOR_NAME, _varint
+from tfserve.manifest import (
+    _GRAPH_INITIALIZER,
+    _LENGTH,
+    _MODEL_GRAPH,
+    _TENSOR_NAME,
+    _field_spans,
+)
 
 _GRAPH_INPUT = 11  # GraphProto.input
 _VALUE_INFO_NAME = 1  # ValueInfoProto.name
@@ -28,12 +32,12 @@ _VALUE_INFO_NAME = 1  # ValueInfoProto.name
 def constant_weights(model: bytes) -> tuple[bytes, list[str]]:
     """The ModelProto `model` without the graph inputs that name an initializer, and their
     names (none: `model` as it is)."""
-    graph_field = next((field for field in _spans(model, 0, len(model))
+    graph_field = next((field for field in _field_spans(model, 0, len(model))
                         if field[0] == _MODEL_GRAPH and field[1] == _LENGTH), None)
     if graph_field is None:
         return model, []
     _, _, field_start, start, end = graph_field
-    fields = list(_spans(model, start, end))
+    fields = list(_field_spans(model, start, end))
     stored = {_name(model, a, b, _TENSOR_NAME) for number, wire, _, a, b in fields
               if number == _GRAPH_INITIALIZER and wire == _LENGTH}
     dropped, kept = [], []
@@ -51,35 +55,9 @@ def constant_weights(model: bytes) -> tuple[bytes, list[str]]:
     return model[:field_start] + key + _encode_varint(len(graph)) + graph + model[end:], dropped
 
 
-def _spans(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
-    """The fields of the message in data[start:end] as (number, wire type, where the field
-    starts, a, b): a length-delimited field's bytes at data[a:b]; for other wire types a is
-    where its value starts and b where the field ends."""
-    position = start
-    while position < end:
-        first = position
-        key, position = _varint(data, position)
-        number, wire = key >> 3, key & 7
-        if wire == 0:  # varint
-            _, after = _varint(data, position)
-        elif wire == 1:  # fixed64
-            after = position + 8
-        elif wire == _LENGTH:
-            length, position = _varint(data, position)
-            after = position + length
-        elif wire == 5:  # fixed32
-            after = position + 4
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
-        if after > end:
-            raise ValueError("truncated: a field runs past the end of its message")
-        yield number, wire, first, position, after
-        position = after
-
-
 def _name(data: bytes, start: int, end: int, field: int) -> str:
     """The string field `field` of the message in data[start:end] ("" without it)."""
-    for number, wire, _, a, b in _spans(data, start, end):
+    for number, wire, _, a, b in _field_spans(data, start, end):
         if number == field and wire == _LENGTH:
             return data[a:b].decode("utf-8", errors="replace")
     return ""
