@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Install headless Chromium and its WebDriver for tests/test_playground.py on a Debian/Ubuntu
+# Install headless Chromium and its WebDriver for tests/serving/test_playground.py on a Debian/Ubuntu
 # host (CI): the Debian packages chromium and chromium-driver, with apt, only when missing.
 # Without them the playground test is skipped, not failed; with this script in .ci/run a
 # failed install fails CI. Progress goes to stderr.
 #
-#   bash .ci/browser-setup.sh && python -m pytest tests/test_playground.py
+#   bash .ci/browser-setup.sh && python -m pytest tests/serving/test_playground.py
 set -euo pipefail
 
 log() { echo ".ci/browser-setup.sh: $*" >&2; }

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Install HAProxy for tests/test_scale_out.py on a Debian/Ubuntu host (CI): the Debian package
+# Install HAProxy for tests/deploy/test_scale_out.py on a Debian/Ubuntu host (CI): the Debian package
 # haproxy, with apt, only when missing. The test runs docker/proxy/haproxy.cfg with it in the
 # foreground (no service is started). Without it the proxy test is skipped, not failed; with
 # this script in .ci/run a failed install fails CI. Progress goes to stderr.
 #
-#   bash .ci/proxy-setup.sh && python -m pytest tests/test_scale_out.py
+#   bash .ci/proxy-setup.sh && python -m pytest tests/deploy/test_scale_out.py
 set -euo pipefail
 
 log() { echo ".ci/proxy-setup.sh: $*" >&2; }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Prepare podman for tests/test_docker.py on a Debian/Ubuntu host without a Docker engine (CI).
+# Prepare podman for tests/deploy/test_docker.py on a Debian/Ubuntu host without a Docker engine (CI).
 #
-#   eval "$(bash docker/ci-setup.sh)"      # then: python -m pytest tests/test_docker.py
+#   eval "$(bash docker/ci-setup.sh)"      # then: python -m pytest tests/deploy/test_docker.py
 #
 # 1. installs podman, debootstrap and runc with apt when missing;
 # 2. writes a containers.conf (runc, no default ulimits: this sandbox cannot raise them);

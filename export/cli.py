@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     from export.sources import load_source
     from export.verify import verify
-    from tfserve.manifest import GRAPH_REVISION, Manifest
+    from tfserve.artifacts.manifest import GRAPH_REVISION, Manifest
     from tfserve.version import __version__
 
     if args.opset not in SUPPORTED_OPSETS:
@@ -275,7 +275,7 @@ def unverified_report(dtype: str) -> dict[str, Any]:
 
 def recorded_generation(extra: dict[str, Any]) -> dict[str, Any]:
     """The generation settings an importer kept in ModelConfig.extra (Marian, T5)."""
-    from tfserve.generation_defaults import HF_FIELDS
+    from tfserve.artifacts.generation_defaults import HF_FIELDS
 
     recorded = extra.get("hf_generation")
     if not isinstance(recorded, dict):
@@ -286,10 +286,11 @@ def recorded_generation(extra: dict[str, Any]) -> dict[str, Any]:
 
 def banned_token_ids(source: Source, generation: dict[str, Any]) -> list[int]:
     """The tokens the searches will never produce (model.json's banned_token_ids): what the
-    checkpoint's bad_words_ids bans (tfserve.generation_defaults); for a native checkpoint,
+    checkpoint's bad_words_ids bans (tfserve.artifacts.generation_defaults); for a native
+    checkpoint,
     its pad token unless it is eos (tfserve's own models train with pad as padding only, and
     have always been decoded with it banned)."""
-    from tfserve.generation_defaults import GenerationDefaults, pad_ban
+    from tfserve.artifacts.generation_defaults import GenerationDefaults, pad_ban
 
     cfg = source.model.config
     if source.kind == "native":
@@ -305,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from export.sources import SourceError
-    from tfserve.config import ConfigError
+    from tfserve.artifacts.model_config import ConfigError
     from tfserve.model import CheckpointError
-    from tfserve.tokenizer import TokenizerError
+    from tfserve.text.tokenizer import TokenizerError
 
     try:
         result = run(args)

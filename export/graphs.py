@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tfserve.manifest import TOP_OUTPUTS, decoder_io, encoder_io
+from tfserve.artifacts.manifest import TOP_OUTPUTS, decoder_io, encoder_io
 from tfserve.model import Seq2SeqTransformer
 
 DEFAULT_OPSET = 17

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tfserve.model import CONFIG_FILE, WEIGHTS_FILE, Seq2SeqTransformer, load_checkpoint
-from tfserve.tokenizer import Tokenizer, TokenizerError, TokenizerSpec
+from tfserve.text.tokenizer import Tokenizer, TokenizerError, TokenizerSpec
 
 TOKENIZER_FILE = "tokenizer.json"
 SAMPLES_FILE = "samples.txt"
@@ -30,7 +30,7 @@ class Source:
     weight_files: list[Path]
     kind: str  # "native" or an importer name such as "hf-marian"
     sample_texts: list[str] = field(default_factory=list)
-    # the checkpoint's generation settings (tfserve.generation_defaults), HF field names
+    # the checkpoint's generation settings (tfserve.artifacts.generation_defaults), HF field names
     generation: dict[str, Any] = field(default_factory=dict)
     # tokenizer files the importer built (name -> text) for a checkpoint that ships them in
     # another form, written into the artifacts in place of copies; how they were built

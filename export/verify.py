@@ -27,12 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tfserve.batch import generate
-from tfserve.eager import EagerBackend
 from tfserve.generation import DecodingOptions
-from tfserve.inputs import pool
+from tfserve.generation.batch import generate
 from tfserve.model import Seq2SeqTransformer
+from tfserve.model.eager import EagerBackend
 from tfserve.runtime import Runtime
+from tfserve.text.inputs import pool
 
 
 @dataclass(frozen=True)

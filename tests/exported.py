@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from export.cli import main as export_main
-from tfserve.config import ModelConfig
+from tfserve.artifacts.model_config import ModelConfig
 from tfserve.demo import CHECKPOINT_DIR
 from tfserve.model import Seq2SeqTransformer, load_checkpoint, save_checkpoint
 

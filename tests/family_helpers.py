@@ -1,4 +1,4 @@
-"""Tiny random BART-family checkpoints for tests/test_families.py (needs transformers).
+"""Tiny random BART-family checkpoints for tests/export/test_families.py (needs transformers).
 
 Everything is built here, nothing is downloaded. Per family, a tokenizer trained on generated
 sentences and wrapped by the family's own transformers tokenizer class (which writes what

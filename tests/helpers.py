@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tfserve.config import ModelConfig
+from tfserve.artifacts.model_config import ModelConfig
 from tfserve.model import Seq2SeqTransformer
 
 POSITIONS = ("sinusoidal", "rope", "learned")

@@ -1,4 +1,4 @@
-"""Tiny random MarianMT checkpoints for tests/test_marian.py (needs transformers).
+"""Tiny random MarianMT checkpoints for tests/export/test_marian.py (needs transformers).
 
 Everything is built here, nothing is downloaded: two SentencePiece models trained on
 generated sentences (source.spm, target.spm), a Marian-style vocab.json ("</s>" 0, "<unk>" 1,
@@ -16,7 +16,7 @@ from typing import Any
 import sentencepiece as spm
 import torch
 
-from tfserve.compare import train_spm  # noqa: F401  (the one SentencePiece recipe)
+from tfserve.bench.models import train_spm  # noqa: F401  (the one SentencePiece recipe)
 
 SOURCE_WORDS = (
     "the cat dog house tree river city road small big green red blue old new one two three "

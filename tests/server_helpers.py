@@ -47,7 +47,7 @@ def export_random_model(out: Path, seed: int = 0, max_positions: int = 128) -> P
     import torch
 
     from export.cli import main as export_main
-    from tfserve.config import ModelConfig
+    from tfserve.artifacts.model_config import ModelConfig
     from tfserve.model import Seq2SeqTransformer, save_checkpoint
 
     checkpoint = out.parent / f"{out.name}-checkpoint"
@@ -109,7 +109,7 @@ def tfserve_records(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.Monkey
                     level: int = logging.INFO, logger: str | None = "tfserve"
                     ) -> pytest.LogCaptureFixture:
     """pytest's caplog, with tfserve's records reaching it even after a test in this process
-    ran tfserve.logs.setup_logging (which stops them at the `tfserve` logger); capturing
+    ran tfserve.telemetry.logs.setup_logging (which stops them at the `tfserve` logger); capturing
     from `level` up on `logger` (None: the root logger)."""
     monkeypatch.setattr(logging.getLogger("tfserve"), "propagate", True)
     caplog.set_level(level, logger=logger)
@@ -131,7 +131,7 @@ class ServerThread:
 
     def __init__(self, argv: Sequence[str], runtime: Any | None = None) -> None:
         from tfserve.serving.frontends import TranslatorServer
-        from tfserve.settings import parse_config
+        from tfserve.serving.settings import parse_config
 
         self.config = parse_config(list(argv), environ={})
         self.server = TranslatorServer(self.config, runtime)

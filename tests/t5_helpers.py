@@ -1,4 +1,4 @@
-"""Tiny random T5-family checkpoints for tests/test_t5.py (needs transformers).
+"""Tiny random T5-family checkpoints for tests/export/test_t5.py (needs transformers).
 
 Everything is built here, nothing is downloaded: a SentencePiece model in T5's layout
 (<pad> 0, </s> 1, <unk> 2, no bos) trained on generated sentences, with MADLAD-style

@@ -1,7 +1,7 @@
 """tfserve: export encoder-decoder Transformers to ONNX and serve them over batched gRPC.
 
 The serving path (runtime, generation, scheduler, server, client) imports numpy and
-onnxruntime only; torch is needed by `tfserve.model`, `tfserve.eager` and `python -m export`.
+onnxruntime only; torch is needed by `tfserve.model`, `tfserve.model.eager` and `python -m export`.
 """
 
 from tfserve.version import __version__

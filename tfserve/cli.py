@@ -38,14 +38,14 @@ from tfserve.argparsing import (
     add_version,
     program_name,
 )
-from tfserve.settings import MODEL_SETTINGS, add_arguments
+from tfserve.serving.settings import MODEL_SETTINGS, add_arguments
 from tfserve.version import __version__
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """--model, --device and --threads as `serve` declares them (tfserve.settings), and
+    """--model, --device and --threads as `serve` declares them (tfserve.serving.settings), and
     --truncate."""
     add_arguments(parser, MODEL_SETTINGS)
     parser.add_argument("--truncate", action="store_true",
@@ -246,9 +246,9 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
     if args.eager:
         from tfserve.demo import CHECKPOINT_DIR
-        from tfserve.eager import EagerBackend
         from tfserve.model import load_checkpoint
-        from tfserve.tokenizer import Tokenizer, TokenizerSpec
+        from tfserve.model.eager import EagerBackend
+        from tfserve.text.tokenizer import Tokenizer, TokenizerSpec
 
         directory = args.checkpoint or CHECKPOINT_DIR
         spec = TokenizerSpec.from_dict(json.loads((directory / "tokenizer.json").read_text()))
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # serve and bench own their whole argument lists (and their --help)
     if argv and argv[0] == "serve":
-        from tfserve.server import main as serve_main
+        from tfserve.server.main import main as serve_main
 
         return serve_main(argv[1:])
     if argv and argv[0] == "bench":

@@ -11,11 +11,11 @@
 Options a call leaves unset take the checkpoint's own generation defaults (its
 generation_config.json, recorded in the manifest: opus-mt asks for beam search, NLLB for a
 max_length); `Translator.generation_defaults` holds them. Languages, target prefixes and the
-options are turned into ids and DecodingOptions by tfserve.translation_inputs, as the server
+options are turned into ids and DecodingOptions by tfserve.text.translation_inputs, as the server
 does.
 
 Input checks are the same for every front end (Python API, CLI, gRPC): each bad input is a
-ValueError naming the field and the limit. They live in tfserve.inputs, which the scheduler
+ValueError naming the field and the limit. They live in tfserve.text.inputs, which the scheduler
 imports too, and are re-exported here.
 """
 
@@ -28,10 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from tfserve.batch import generate
+from tfserve.artifacts.generation_defaults import GenerationDefaults
 from tfserve.generation import Backend, DecodingOptions, Hypothesis
-from tfserve.generation_defaults import GenerationDefaults
-from tfserve.inputs import (
+from tfserve.generation.batch import generate
+from tfserve.scheduler.scheduler_config import SchedulerConfig
+from tfserve.text.inputs import (
     DEFAULT_MAX_TEXTS,
     ENCODER_CALL_TOKENS,
     MAX_CHARS_PER_TOKEN,
@@ -41,9 +42,8 @@ from tfserve.inputs import (
     length_groups,
     pool,
 )
-from tfserve.scheduler.config import SchedulerConfig
-from tfserve.tokenizer import Tokenizer
-from tfserve.translation_inputs import model_languages, request_options, source_ids
+from tfserve.text.tokenizer import Tokenizer
+from tfserve.text.translation_inputs import model_languages, request_options, source_ids
 
 
 def _per_text(value: Any, name: str, count: int) -> list[Any]:
@@ -130,7 +130,7 @@ class Translator:
     def from_backend(cls, backend: Backend, tokenizer: Tokenizer,
                      max_batch_size: int = SchedulerConfig.max_batch_size,
                      generation_defaults: GenerationDefaults | None = None) -> Translator:
-        """Wrap another backend (e.g. tfserve.eager.EagerBackend) behind the same API."""
+        """Wrap another backend (e.g. tfserve.model.eager.EagerBackend) behind the same API."""
         translator = cls.__new__(cls)
         translator._setup(backend, tokenizer, max_batch_size,
                           generation_defaults or GenerationDefaults())

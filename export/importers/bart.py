@@ -5,7 +5,7 @@ embeddings and a final logits bias (export.importers.bart_family). It has no lan
 its tokenizer (byte-level BPE, RobertaTokenizer) runs from tokenizer.json with the file's own
 post-processor (`<s> text </s>`). Decoding starts from eos (decoder_start_token_id 2);
 bart-large's generation settings force `<s>` as the first token (forced_bos_token_id 0),
-which tfserve applies as the first output token (tfserve.generation_defaults).
+which tfserve applies as the first output token (tfserve.artifacts.generation_defaults).
 """
 
 from __future__ import annotations

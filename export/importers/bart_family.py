@@ -20,7 +20,7 @@ family, as transformers ignores them); `key_map` is the explicit tensor-name map
 tensor is shape-checked before it is loaded.
 
 Tokenizer and languages come from the family module (`Family.tokenizer`); the generation
-settings from config.json and generation_config.json (tfserve.generation_defaults). A
+settings from config.json and generation_config.json (tfserve.artifacts.generation_defaults). A
 checkpoint that ships only its tokenizer's SentencePiece or BPE files (no tokenizer.json) has
 its tokenizer.json built by transformers' AutoTokenizer from them, the conversion
 `AutoTokenizer.from_pretrained(DIR)` itself runs, and that file goes into the artifacts.
@@ -53,10 +53,10 @@ from export.importers.hf_files import (
     weight_files,
 )
 from export.sources import Source, SourceError
-from tfserve.config import ConfigError, ModelConfig
-from tfserve.generation_defaults import GenerationDefaults, from_hf_files
+from tfserve.artifacts.generation_defaults import GenerationDefaults, from_hf_files
+from tfserve.artifacts.model_config import ConfigError, ModelConfig
 from tfserve.model import Seq2SeqTransformer
-from tfserve.tokenizer import Tokenizer, TokenizerError, TokenizerSpec
+from tfserve.text.tokenizer import Tokenizer, TokenizerError, TokenizerSpec
 
 CONFIG_FILE = "config.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -378,7 +378,7 @@ def hf_json_spec(directory: Path, config: dict[str, Any], family: Family,
     the special ids checked, and the loaded `tokenizers.Tokenizer`."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from tfserve.tokenizer import load_hf_json
+    from tfserve.text.tokenizer import load_hf_json
 
     built = None
     try:

@@ -8,7 +8,8 @@ Model: MarianMTModel is the paper's post-norm Transformer with Marian's sinusoid
 when `scale_embedding`, one embedding table shared by encoder and decoder, an output
 projection tied to it (an untied lm_head becomes tfserve's own untied lm_head) and a final
 logits bias [1, V] that is not a parameter in transformers. `model_config` maps config.json onto
-`tfserve.config.ModelConfig` and refuses, naming the field, what tfserve's model cannot hold;
+`tfserve.artifacts.model_config.ModelConfig` and refuses, naming the field, what tfserve's model
+cannot hold;
 `marian_key_map` is the explicit tensor-name map onto our module names, and every tensor is
 shape-checked before it is loaded.
 
@@ -16,10 +17,11 @@ Tokenizer: MarianTokenizer splits the source text with source.spm, maps the piec
 vocab.json (pieces missing from it become <unk>) and appends </s>; decoding joins the pieces
 with target.spm and turns every word-boundary mark left (pieces target.spm does not know are
 copied verbatim) into a space (transformers 5 joins with source.spm when the vocabulary is
-shared: the same text, tests/test_marian.py::test_decoding_random_ids_matches_marian_tokenizer).
-That is `tfserve.tokenizer.Tokenizer` in vocab mode, so the artifacts carry the three files
+shared: the same text,
+tests/export/test_marian.py::test_decoding_random_ids_matches_marian_tokenizer).
+That is `tfserve.text.tokenizer.Tokenizer` in vocab mode, so the artifacts carry the three files
 and a `TokenizerSpec` naming them. (What MarianTokenizer does beyond that, a leading `>>xx<<`
-language code and special-token strings inside the text, is listed in tests/test_marian.py.)
+language code and special-token strings inside the text, is listed in tests/export/test_marian.py.)
 
 Only JSON, safetensors and `torch.load(weights_only=True)` are used: nothing is unpickled
 beyond plain tensors, and transformers is not needed.
@@ -52,9 +54,9 @@ from export.importers.hf_files import (  # noqa: F401  (the file helpers, import
     weight_files,
 )
 from export.sources import Source, SourceError
-from tfserve.config import ConfigError, ModelConfig
+from tfserve.artifacts.model_config import ConfigError, ModelConfig
 from tfserve.model import Seq2SeqTransformer, sinusoidal_table
-from tfserve.tokenizer import Tokenizer, TokenizerError, TokenizerSpec
+from tfserve.text.tokenizer import Tokenizer, TokenizerError, TokenizerSpec
 
 KIND = "hf-marian"
 CONFIG_FILE = "config.json"
@@ -229,7 +231,7 @@ def generation_defaults(directory: Path, config: dict[str, Any]) -> dict[str, An
     opus-mt checkpoints ban the pad token (bad_words_ids [[pad]]; tfserve.generation always
     does), force eos as the last token at max_length (forced_eos_token_id: DecodingOptions'
     forced_eos) and ask for num_beams 4..6. They are recorded in the manifest so that every
-    front end defaults to them (tfserve.generation_defaults).
+    front end defaults to them (tfserve.artifacts.generation_defaults).
     """
     merged = {key: config[key] for key in GENERATION_KEYS if key in config}
     path = directory / GENERATION_CONFIG_FILE

@@ -32,7 +32,7 @@ from export.importers.bart_family import (
     tokenizer_class,
 )
 from export.sources import Source, SourceError
-from tfserve.languages import LanguageConventions
+from tfserve.text.languages import LanguageConventions
 
 CODE = re.compile(r"^[a-z]{2}_[A-Z]{2}$")  # en_XX, fr_XX, zh_CN
 MBART50_ONLY = ("af_ZA", "az_AZ", "bn_IN", "fa_IR", "he_IL", "pl_PL", "pt_XX", "sv_SE")

@@ -60,10 +60,10 @@ from export.importers.hf_files import (
     weight_files,
 )
 from export.sources import Source, SourceError
-from tfserve.config import ConfigError, ModelConfig
+from tfserve.artifacts.model_config import ConfigError, ModelConfig
 from tfserve.model import Seq2SeqTransformer
 from tfserve.model.transformer import KEEP_IN_FP32
-from tfserve.tokenizer import Tokenizer, TokenizerError, TokenizerSpec
+from tfserve.text.tokenizer import Tokenizer, TokenizerError, TokenizerSpec
 
 KIND = "hf-t5"
 CONFIG_FILE = "config.json"

@@ -10,5 +10,5 @@
 - `models`: the random models and inputs they build; `common`: timing, percentiles, CPU and
   RSS readers, the quiet export.
 
-`python -m tfserve.loadgen` and `python -m tfserve.compare` still run the last two.
+`python -m tfserve.bench.loadgen` and `python -m tfserve.bench.compare` still run the last two.
 """

@@ -114,7 +114,7 @@ def build(work: Path, quick: bool, hf_dir: Path | None, sentences: int,
 def exported_by_this_revision(artifacts: Path) -> bool:
     """An export in `artifacts` made by this tfserve's graph revision (older ones are redone:
     the comparison is about the graphs this version makes)."""
-    from tfserve.manifest import GRAPH_REVISION
+    from tfserve.artifacts.manifest import GRAPH_REVISION
 
     path = artifacts / "model.json"
     if not path.is_file():

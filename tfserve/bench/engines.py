@@ -53,8 +53,8 @@ class TfserveEngine(Engine):
     """tfserve's `Runtime` on an export, decoded by `batch.generate`."""
 
     def __init__(self, artifacts: Path, threads: int) -> None:
-        from tfserve.batch import generate
         from tfserve.generation import DecodingOptions
+        from tfserve.generation.batch import generate
         from tfserve.runtime import Runtime
 
         self.runtime = Runtime(artifacts, intra_op_threads=threads)

@@ -78,7 +78,7 @@ def make_random_base(directory: Path, seed: int = 0, spec: ModelSpec = BASE_MODE
 
     import torch
 
-    from tfserve.config import ModelConfig
+    from tfserve.artifacts.model_config import ModelConfig
     from tfserve.demo import CHECKPOINT_DIR
     from tfserve.model import Seq2SeqTransformer, save_checkpoint
 
@@ -377,7 +377,7 @@ def make_t5_inputs(hf_dir: Path, count: int, seed: int = 1,
                    lengths: tuple[int, int] = SOURCE_LENGTHS) -> list[list[int]]:
     """make_inputs for a T5 checkpoint: generated text split by its tokenizer.json (as
     transformers' T5Tokenizer splits it), cut to length, ending with </s>."""
-    from tfserve.tokenizer import Tokenizer, TokenizerSpec
+    from tfserve.text.tokenizer import Tokenizer, TokenizerSpec
 
     config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
     eos = int(config.get("eos_token_id", 1))

@@ -37,8 +37,8 @@ def run_cases(backends: dict[str, Any], vocab: int, eos: int, new_tokens: int, s
               cases: list[str], repeat: int) -> list[dict[str, Any]]:
     """Tokens/s of every backend on every case (best of `repeat` after a warm-up), printed
     as a JSON line per case as it finishes; with two backends, also their ratio."""
-    from tfserve.batch import generate
     from tfserve.generation import DecodingOptions
+    from tfserve.generation.batch import generate
 
     rows = []
     for case in cases:
@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from tfserve.bench.models import make_random_base
-    from tfserve.eager import EagerBackend
     from tfserve.model import load_checkpoint
+    from tfserve.model.eager import EagerBackend
     from tfserve.runtime import Runtime, default_threads
 
     threads = args.threads or default_threads()

@@ -14,7 +14,7 @@ together, strategy by strategy (`Search.decide_group`); --per-member times the r
 path instead, each member through its own `advance_candidates` (DecodeBatch.group_decisions
 off). Sampling decides member by member on either path, from the full logits.
 
-Imports numpy only (and tfserve.generation / tfserve.batch).
+Imports numpy only (and tfserve.generation / tfserve.generation.batch).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from tfserve.batch import DecodeBatch
+from tfserve.artifacts.manifest import TOP_CANDIDATES
 from tfserve.generation import Cache, DecodingOptions, StepOutput, make_search
-from tfserve.manifest import TOP_CANDIDATES
+from tfserve.generation.batch import DecodeBatch
 
 VOCAB = 58_101  # opus-mt's vocabulary
 EOS, PAD = 0, 58_100

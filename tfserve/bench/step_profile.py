@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from tfserve.manifest import Manifest
+from tfserve.artifacts.manifest import Manifest
 
 
 def profile(artifacts: Path, batch: int, threads: int, past: int, source: int, steps: int,
@@ -100,8 +100,8 @@ def profile(artifacts: Path, batch: int, threads: int, past: int, source: int, s
 def search_profile(artifacts: Path, batch: int, beams: int, source: int, steps: int,
                    threads: int, placement: str) -> dict[str, float | int | str]:
     """Runs and host <-> device bytes per decoder step of one search (module docstring)."""
-    from tfserve.batch import DecodeBatch
     from tfserve.generation import DecodingOptions, make_search
+    from tfserve.generation.batch import DecodeBatch
     from tfserve.runtime import Runtime
 
     runtime = Runtime(artifacts, intra_op_threads=threads,

@@ -31,7 +31,7 @@ def cache_root() -> Path:
 
 def checkpoint_digest() -> str:
     """Names the cached export: the checkpoint's files and the graph revision that made it."""
-    from tfserve.manifest import GRAPH_REVISION
+    from tfserve.artifacts.manifest import GRAPH_REVISION
 
     digest = hashlib.sha256(f"graphs-{GRAPH_REVISION}".encode())
     for name in ("config.json", "model.safetensors"):

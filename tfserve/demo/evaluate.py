@@ -25,9 +25,9 @@ from tfserve.translator import Translator
 
 
 def eager_translator(checkpoint: Path = CHECKPOINT_DIR) -> Translator:
-    from tfserve.eager import EagerBackend
     from tfserve.model import load_checkpoint
-    from tfserve.tokenizer import Tokenizer, TokenizerSpec
+    from tfserve.model.eager import EagerBackend
+    from tfserve.text.tokenizer import Tokenizer, TokenizerSpec
 
     spec = TokenizerSpec.from_dict(json.loads((checkpoint / "tokenizer.json").read_text()))
     return Translator.from_backend(EagerBackend(load_checkpoint(checkpoint)),

@@ -24,7 +24,7 @@ import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 
-from tfserve.config import ModelConfig
+from tfserve.artifacts.model_config import ModelConfig
 from tfserve.demo import CHECKPOINT_DIR
 from tfserve.demo.data import (
     SOURCE_FORMS,
@@ -35,7 +35,7 @@ from tfserve.demo.data import (
     training_pairs,
 )
 from tfserve.model import Seq2SeqTransformer, save_checkpoint
-from tfserve.tokenizer import Tokenizer, TokenizerSpec
+from tfserve.text.tokenizer import Tokenizer, TokenizerSpec
 
 SPM_FILE = "source.spm"
 

@@ -1,11 +1,13 @@
 """Search over a step function: greedy, beam search and sampling, written once for every backend.
 
 The search code sees numpy logits and an opaque KV cache; a backend (`tfserve.runtime`'s
-ONNX Runtime sessions, or `tfserve.eager`'s PyTorch model) runs the encoder and one decoder
+ONNX Runtime sessions, or `tfserve.model.eager`'s PyTorch model) runs the encoder and one decoder
 step and knows how to select, concatenate and trim cache rows. It imports numpy only.
 
-The searches advance rows that `tfserve.batch.DecodeBatch` (continuous batching) steps for
-many of them at once; offline `tfserve.batch.generate` is that loop with every search added
+The searches advance rows that `tfserve.generation.batch.DecodeBatch` (continuous batching) steps
+for
+many of them at once; offline `tfserve.generation.batch.generate` is that loop with every search
+added
 up front.
 
 Every search starts from a single row holding the decoder start token (the model's, or the

@@ -87,7 +87,7 @@ class Backend(Protocol):
 def banned_tokens(backend: Backend) -> np.ndarray | None:
     """The token ids [n] no search may produce on `backend`, None for none: its
     `banned_token_ids`, or, where it has none, the pad token unless it is also eos (the rule
-    of tfserve.generation_defaults.pad_ban, for a manifest written before the field)."""
+    of tfserve.artifacts.generation_defaults.pad_ban, for a manifest written before the field)."""
     banned = getattr(backend, "banned_token_ids", None)
     if banned is None:
         pad = backend.pad_token_id

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from tfserve.config import ModelConfig
+from tfserve.artifacts.model_config import ModelConfig
 from tfserve.model.transformer import Seq2SeqTransformer
 
 

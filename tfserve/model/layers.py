@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tfserve.config import ModelConfig
+from tfserve.artifacts.model_config import ModelConfig
 from tfserve.model.attention import MultiHeadAttention
 from tfserve.model.positions import Rope, apply_rope, sinusoidal_table
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tfserve.config import ModelConfig
-from tfserve.manifest import TOP_CANDIDATES
+from tfserve.artifacts.manifest import TOP_CANDIDATES
+from tfserve.artifacts.model_config import ModelConfig
 from tfserve.model.attention import KVCache, blocked_to_bias, mask_bias
 from tfserve.model.layers import DecoderLayer, Embeddings, EncoderLayer, make_norm
 from tfserve.model.positions import RelativePositionBias, RotaryEmbedding

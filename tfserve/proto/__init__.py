@@ -3,10 +3,10 @@
     from tfserve.proto import translator_pb2, translator_pb2_grpc
 
 The modules live in tfserve/proto/tfserve/v1/. Wheels and sdists ship them and an editable
-install generates them into the source tree (the build hooks in tfserve/proto_build.py);
+install generates them into the source tree (the build hooks in tfserve/proto/build.py);
 importing them only imports, so an installed tfserve never writes to its own directory and
 never needs grpcio-tools. After a .proto change in a source checkout,
-`python -m tfserve.proto_build` regenerates them.
+`python -m tfserve.proto.build` regenerates them.
 
 A wheel's modules come from the grpcio-tools pinned in pyproject.toml's [build-system]: they
 import on protobuf 5.29.0 and later (5.x, 6.x, 7.x) and grpcio 1.71.2 and later, the floors
@@ -25,7 +25,7 @@ MISSING = (
     "the gRPC stubs of tfserve ({package}) are missing from {where}: they are generated when "
     "tfserve is built, so reinstall it (pip install --force-reinstall tfserve, or pip install "
     "-e . in a source checkout), or generate them in a source checkout with "
-    "`python -m tfserve.proto_build` (grpcio-tools, in the dev extra)"
+    "`python -m tfserve.proto.build` (grpcio-tools, in the dev extra)"
 )
 
 

@@ -2,7 +2,7 @@
 
 Imports numpy and onnxruntime only (never torch), so the serving image carries no PyTorch.
 
-`Runtime` (`tfserve.runtime.backend`) loads model.json, the two graphs and the tokenizer,
+`Runtime` (`tfserve.runtime.sessions`) loads model.json, the two graphs and the tokenizer,
 creates one InferenceSession per graph on the requested device (`cpu`, `cuda`, `cuda:N`:
 the table in `tfserve.runtime.providers`) with the given options, and implements
 `tfserve.generation.Backend`: encode, one decoder step, and the cache row operations the
@@ -16,7 +16,6 @@ so a step moves only token ids, masks and logits between host and device; row op
 of `tfserve.runtime.cache_graphs`).
 """
 
-from tfserve.runtime.backend import Runtime
 from tfserve.runtime.cache import POOL_MIN_BYTES, CacheStorage, DeviceCache, HostCache
 from tfserve.runtime.providers import (
     OPTIMIZATION_LEVELS,
@@ -30,6 +29,7 @@ from tfserve.runtime.providers import (
     provider_list,
     share_cpu_arena,
 )
+from tfserve.runtime.sessions import Runtime
 
 __all__ = [
     "OPTIMIZATION_LEVELS",

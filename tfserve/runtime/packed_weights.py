@@ -17,7 +17,7 @@ no `onnx` package) and touches nothing but the graph's `input` entries.
 
 from __future__ import annotations
 
-from tfserve.manifest import (
+from tfserve.artifacts.manifest import (
     _GRAPH_INITIALIZER,
     _LENGTH,
     _MODEL_GRAPH,

@@ -10,7 +10,8 @@ OrtValue over them is handed to every session that names them
 (`SessionOptions.add_initializer`), so the process holds one copy.
 
 Older exports, where each graph holds its own copy, share nothing and load as before.
-Reading the graph files takes the minimal protobuf reader of `tfserve.manifest` (the serving
+Reading the graph files takes the minimal protobuf reader of `tfserve.artifacts.manifest` (the
+serving
 path has no `onnx` package, and ONNX Runtime does not show where an initializer is stored).
 """
 
@@ -24,7 +25,13 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from tfserve.manifest import _GRAPH_INITIALIZER, _LENGTH, _MODEL_GRAPH, _fields, _tensor_fields
+from tfserve.artifacts.manifest import (
+    _GRAPH_INITIALIZER,
+    _LENGTH,
+    _MODEL_GRAPH,
+    _fields,
+    _tensor_fields,
+)
 
 # TensorProto.DataType -> numpy: the element types an export stores
 NUMPY_TYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 6: np.int32, 7: np.int64,

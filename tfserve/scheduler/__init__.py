@@ -28,7 +28,6 @@ results, errors, counters), `policy` (BatchingPolicy: what is admitted when; no 
 `encoding` (encoder runs), `worker` (Scheduler: the thread and the model runs).
 """
 
-from tfserve.scheduler.config import SchedulerConfig
 from tfserve.scheduler.jobs import (
     Cancelled,
     DeadlineExceeded,
@@ -44,7 +43,8 @@ from tfserve.scheduler.jobs import (
     WorkItem,
 )
 from tfserve.scheduler.policy import BatchingPolicy, Running, Take
-from tfserve.scheduler.worker import Scheduler
+from tfserve.scheduler.scheduler import Scheduler
+from tfserve.scheduler.scheduler_config import SchedulerConfig
 
 __all__ = [
     "BatchingPolicy",

@@ -8,11 +8,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from tfserve.batch import Joining
 from tfserve.generation import Backend, make_search
-from tfserve.inputs import encoder_hidden_states, length_groups, pool
-from tfserve.scheduler.config import SchedulerConfig
+from tfserve.generation.batch import Joining
 from tfserve.scheduler.jobs import Encoded, Outcomes, WorkItem
+from tfserve.scheduler.scheduler_config import SchedulerConfig
+from tfserve.text.inputs import encoder_hidden_states, length_groups, pool
 
 
 class EncoderRuns:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from tfserve.generation import DecodingOptions, Hypothesis
-from tfserve.metrics import Metrics
+from tfserve.telemetry.metrics import Metrics
 
 log = logging.getLogger("tfserve.scheduler")
 

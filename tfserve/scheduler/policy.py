@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from tfserve.metrics import Metrics
-from tfserve.scheduler.config import SchedulerConfig
 from tfserve.scheduler.jobs import Job, QueueFull, WorkItem
+from tfserve.scheduler.scheduler_config import SchedulerConfig
+from tfserve.telemetry.metrics import Metrics
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,8 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from tfserve.metrics import Metrics
-from tfserve.process import trim_freed_memory
 from tfserve.scheduler import Cancelled, Job, ModelError
+from tfserve.serving.process_tuning import trim_freed_memory
 from tfserve.serving.requests import check_request_id
 from tfserve.serving.status import (
     Draining,
@@ -42,6 +41,7 @@ from tfserve.serving.tracing import (  # opentelemetry only when on
     Tracing,
     grpc_span_error,
 )
+from tfserve.telemetry.metrics import Metrics
 
 if TYPE_CHECKING:
     from tfserve.serving.loaded import LoadedModel
@@ -64,7 +64,8 @@ class FreedMemory:
     """Hands the memory glibc keeps free back to the kernel once the large requests in
     flight have all ended (`started` / `ended`, one of each per large request).
 
-    The server lets glibc keep freed memory (tfserve.process.keep_freed_memory) for the
+    The server lets glibc keep freed memory (tfserve.serving.process_tuning.keep_freed_memory) for
+    the
     decoder's next join. The received message of a large request (up to
     --max-message-bytes), its parsed copy and its texts would then stay with the process
     once the request ended, and so would the most that large requests ever held at once.

@@ -20,7 +20,6 @@ import asyncio
 import logging
 from typing import Any
 
-from tfserve.metrics import Metrics
 from tfserve.scheduler import Scheduler
 from tfserve.serving.calls import Call, Calls
 from tfserve.serving.loaded import LoadedModel
@@ -28,9 +27,10 @@ from tfserve.serving.model_info import ModelInfo, model_info, unloaded_model_inf
 from tfserve.serving.model_scan import Entry
 from tfserve.serving.repository import ModelRepository, ModelStatus
 from tfserve.serving.requests import Submitter
+from tfserve.serving.settings import ServerConfig
 from tfserve.serving.status import ModelLoadFailed
 from tfserve.serving.tracing import start_tracing
-from tfserve.settings import ServerConfig
+from tfserve.telemetry.metrics import Metrics
 
 log = logging.getLogger("tfserve.server")
 

@@ -4,7 +4,7 @@ and, unless --http-port is 0, HTTP (tfserve.serving.http_server), on one event l
 Start: the metrics port, then HTTP and gRPC bind (a busy port fails here, naming its flag,
 before anything runs that would need stopping), then the scheduler, then gRPC serves.
 
-Drain (SIGTERM / SIGINT, tfserve.server.serve): gRPC health NOT_SERVING and HTTP /readyz 503,
+Drain (SIGTERM / SIGINT, tfserve.server.main.serve): gRPC health NOT_SERVING and HTTP /readyz 503,
 new calls of either transport UNAVAILABLE (503 over HTTP), calls in flight finish within
 --grace-seconds, then both listeners and the scheduler stop.
 """
@@ -16,12 +16,12 @@ import logging
 import os
 from typing import Any
 
-from tfserve.metrics import Metrics
 from tfserve.serving.auth import BearerAuth
 from tfserve.serving.core import ServingCore
 from tfserve.serving.grpc_server import GrpcServer
 from tfserve.serving.http_server import HttpServer
-from tfserve.settings import ServerConfig
+from tfserve.serving.settings import ServerConfig
+from tfserve.telemetry.metrics import Metrics
 
 log = logging.getLogger("tfserve.server")
 # file descriptors a server needs besides its clients' connections: listening sockets, the
@@ -69,7 +69,8 @@ class TranslatorServer:
     `await start()` binds and serves; `await drain()` is the SIGTERM path. `runtime` is any
     object with Runtime's interface (Backend + .tokenizer, .config, .manifest), served as the
     one model (None: what the config names); `worker` is the index of one of --workers
-    processes (tfserve.workers), which share their ports. Building it loads the models
+    processes (tfserve.server.worker_processes), which share their ports. Building it loads the
+    models
     (--load eager) before any event loop runs.
     """
 

@@ -27,7 +27,7 @@ from tfserve.serving.auth import REPEATED, BearerAuth
 from tfserve.serving.calls import REQUEST_ID_KEY
 from tfserve.serving.core import ServingCore
 from tfserve.serving.grpc_api import SERVICE_NAME, TranslatorService, add_translator_service
-from tfserve.settings import ServerConfig
+from tfserve.serving.settings import ServerConfig
 
 log = logging.getLogger("tfserve.server")
 
@@ -131,7 +131,8 @@ class GrpcServer:
 
     `bind()` listens (RuntimeError naming --port when it cannot), `await start()` serves and
     sets health SERVING; on a drain, `await not_serving()` then `await stop(grace)`.
-    `shared_port`: one of --workers processes, which share the port (tfserve.workers).
+    `shared_port`: one of --workers processes, which share the port
+    (tfserve.server.worker_processes).
     """
 
     def __init__(self, core: ServingCore, shared_port: bool = False,

@@ -44,7 +44,6 @@ from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.streams import StreamReader
 
-from tfserve.metrics import Metrics
 from tfserve.serving.auth import BearerAuth
 from tfserve.serving.core import ServingCore
 from tfserve.serving.http_api import (
@@ -55,8 +54,9 @@ from tfserve.serving.http_api import (
     make_app,
     malformed_reason,
 )
+from tfserve.serving.settings import ServerConfig
 from tfserve.serving.status import Status
-from tfserve.settings import ServerConfig
+from tfserve.telemetry.metrics import Metrics
 
 log = logging.getLogger("tfserve.server")
 http_log = logging.getLogger("tfserve.http")  # what aiohttp's request handlers log

@@ -13,11 +13,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tfserve.metrics import Metrics
 from tfserve.scheduler import Scheduler
 from tfserve.serving.model_scan import Entry, single_entry
 from tfserve.serving.requests import Submitter
-from tfserve.settings import ServerConfig
+from tfserve.serving.settings import ServerConfig
+from tfserve.telemetry.metrics import Metrics
 
 Loader = Callable[[Entry], Any]  # an entry -> its runtime (Backend + tokenizer, config, ...)
 
@@ -106,7 +106,8 @@ def release_freed_memory() -> None:
     """Free an unloaded model's memory and hand it back to the kernel. The model's objects
     hold reference cycles (the scheduler and its parts), so they go with a collection, not
     with their last reference; then glibc's malloc_trim, as the server otherwise keeps freed
-    memory for reuse (tfserve.process.keep_freed_memory) and in the heap of the thread that
+    memory for reuse (tfserve.serving.process_tuning.keep_freed_memory) and in the heap of the
+    thread that
     loaded the model, where another model's load would not find it."""
     gc.collect()
     try:

@@ -10,14 +10,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tfserve.artifacts.generation_defaults import GenerationDefaults
+from tfserve.artifacts.manifest import Manifest
 from tfserve.generation import DecodingOptions
-from tfserve.generation_defaults import GenerationDefaults
-from tfserve.manifest import Manifest
 from tfserve.proto import load as load_stubs
 from tfserve.serving.requests import server_defaults
-from tfserve.settings import ServerConfig
-from tfserve.tokenizer import Tokenizer
-from tfserve.translation_inputs import model_languages
+from tfserve.serving.settings import ServerConfig
+from tfserve.text.tokenizer import Tokenizer
+from tfserve.text.translation_inputs import model_languages
 from tfserve.version import __version__
 
 pb2 = load_stubs()[0]

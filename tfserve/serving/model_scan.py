@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tfserve.manifest import MANIFEST_FILE, Manifest, inside
+from tfserve.artifacts.manifest import MANIFEST_FILE, Manifest, inside
 
 log = logging.getLogger("tfserve.server")
 

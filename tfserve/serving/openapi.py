@@ -21,12 +21,12 @@ from typing import Any
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from tfserve.generation import DecodingOptions
-from tfserve.inputs import POOLINGS
 from tfserve.serving.messages import pb2
 from tfserve.serving.requests import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
+from tfserve.serving.settings import ServerConfig
 from tfserve.serving.status import Status
-from tfserve.settings import ServerConfig
-from tfserve.translation_inputs import MAX_PREFIX_CHARS
+from tfserve.text.inputs import POOLINGS
+from tfserve.text.translation_inputs import MAX_PREFIX_CHARS
 from tfserve.version import __version__
 
 # scalar field types -> their JSON mapping's schema

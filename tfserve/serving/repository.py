@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tfserve.metrics import Metrics
 from tfserve.serving.loaded import (
     LoadedModel,
     Loader,
@@ -51,8 +50,9 @@ from tfserve.serving.loaded import (
 )
 from tfserve.serving.model_scan import Entry, relative_paths, scan, single_entry
 from tfserve.serving.requests import InvalidArgument, shown
+from tfserve.serving.settings import ServerConfig
 from tfserve.serving.status import ModelCapacity, ModelLoadFailed, ModelNotFound
-from tfserve.settings import ServerConfig
+from tfserve.telemetry.metrics import Metrics
 
 log = logging.getLogger("tfserve.server")
 

@@ -16,13 +16,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tfserve.artifacts.generation_defaults import GenerationDefaults
 from tfserve.generation import DecodingOptions
-from tfserve.generation_defaults import GenerationDefaults
-from tfserve.inputs import POOLINGS, check_texts
 from tfserve.scheduler import Job, Scheduler, StreamEvent
+from tfserve.serving.settings import ServerConfig
 from tfserve.serving.status import InvalidArgument
-from tfserve.settings import ServerConfig
-from tfserve.translation_inputs import request_options, source_ids
+from tfserve.text.inputs import POOLINGS, check_texts
+from tfserve.text.translation_inputs import request_options, source_ids
 
 if TYPE_CHECKING:
     from tfserve.serving.calls import Call
@@ -84,7 +84,7 @@ class OptionFields:
     no_repeat_ngram_size: int | None = None
 
     def given(self) -> dict[str, Any]:
-        """The DecodingOptions fields the request sets (tfserve.translation_inputs'
+        """The DecodingOptions fields the request sets (tfserve.text.translation_inputs'
         `given`: the others take the defaults)."""
         return {name: value for name, value in self.__dict__.items() if value is not None}
 
@@ -124,7 +124,7 @@ class Submitter:
     its scheduler.
 
     Texts, languages, target prefixes and options become source ids and DecodingOptions
-    through tfserve.translation_inputs, as in the Translator: the source language's token
+    through tfserve.text.translation_inputs, as in the Translator: the source language's token
     where the model's family puts it (truncation keeps it), the target language as the
     forced first token, and the model's generation defaults (model.json "generation",
     under the server's --default-max-new-tokens) for every option the request leaves unset.

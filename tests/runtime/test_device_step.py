@@ -1,0 +1,157 @@
+"""The device placement's decoder step (what runs on CUDA), checked with CPU OrtValues: one ONNX
+Runtime run per step, nothing of vocabulary size copied to the host, a beam step's cache
+reorder inside the next step's run, and the host placement's tokens and scores throughout."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from tests.exported import artifacts
+from tfserve.generation import DecodingOptions, Hypothesis, make_search
+from tfserve.generation.batch import DecodeBatch, Joining
+from tfserve.runtime import Runtime
+from tfserve.runtime.step_graph import CACHE_ROWS, rewritten_decoder
+
+
+def sources(runtime: Runtime, lengths: list[int], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(3, runtime.vocab_size, size=n).tolist() + [runtime.eos_token_id]
+            for n in lengths]
+    return runtime.tokenizer.pad_batch(rows)
+
+
+def run_mixed(runtime: Runtime) -> tuple[dict[int, list[Hypothesis]], list[int]]:
+    """Greedy, beam and sampling searches joining a running batch in three waves (the last
+    while others are mid-decode, one cancelled): each source's hypotheses, and the runs of
+    each step."""
+    ids, mask = sources(runtime, [5, 3, 8, 2, 6, 4, 7], seed=11)
+    options = [
+        DecodingOptions(max_new_tokens=9, num_beams=3, num_return_sequences=2),
+        DecodingOptions(max_new_tokens=7),
+        DecodingOptions(max_new_tokens=9, num_beams=4, length_penalty=0.6),
+        DecodingOptions(max_new_tokens=6, do_sample=True, top_k=5, seed=3),
+        DecodingOptions(max_new_tokens=8, num_beams=2, min_new_tokens=4),
+        DecodingOptions(max_new_tokens=5, num_beams=3),
+        DecodingOptions(max_new_tokens=9, num_beams=2, early_stopping=True),
+    ]
+    options = [o.validate(runtime.max_target_positions - 1) for o in options]
+    batch = DecodeBatch(runtime)
+
+    def join(rows: list[int]) -> None:
+        _, cross = runtime.encode(ids[rows], mask[rows])
+        searches = [make_search(options[r], runtime.eos_token_id,
+                                runtime.decoder_start_token_id) for r in rows]
+        batch.join([Joining(searches, rows, cross, mask[rows])])
+
+    results: dict[int, list[Hypothesis]] = {}
+    runs: list[int] = []
+    join([0, 1, 2])
+    for step in range(40):
+        if step == 2:
+            join([3, 4])
+        if step == 4:
+            join([5, 6])
+        if step == 5:
+            removed = batch.remove({6})  # cancelled between steps, mid-decode
+            assert len(removed) == 1
+        before = runtime.counters.runs
+        for tag, search in batch.step():
+            results[tag] = search.results()
+        runs.append(runtime.counters.runs - before)
+        if not len(batch):
+            break
+    return results, runs
+
+
+def test_the_device_step_gives_the_host_paths_hypotheses_in_one_run_per_step() -> None:
+    """Rows joining, leaving and retiring, beams reordering: the device placement (its
+    decoder rewritten with cache_rows) decodes what the host placement decodes, tokens and
+    scores, and a step without a join or a compaction is one ONNX Runtime run."""
+    host = Runtime(artifacts("rope", "pre"))
+    device = Runtime(artifacts("rope", "pre"), device_cache=True)
+    assert device.reorders_in_step and not host.reorders_in_step
+    assert CACHE_ROWS in {value.name for value in device.decoder.get_inputs()}
+    expected, _ = run_mixed(host)
+    got, runs = run_mixed(device)
+    assert sorted(got) == sorted(expected) == [0, 1, 2, 3, 4, 5]
+    for tag in expected:
+        assert [h.token_ids for h in got[tag]] == [h.token_ids for h in expected[tag]], tag
+        np.testing.assert_allclose([h.score for h in got[tag]],
+                                   [h.score for h in expected[tag]], atol=1e-5, rtol=0)
+    # beams reorder every step, yet a step whose rows neither join, leave nor change the
+    # member layout (a search fanning out to its beams) is the decoder's run alone
+    assert runs.count(1) >= 3, runs
+
+
+def test_a_beam_step_moves_no_logits_between_host_and_device() -> None:
+    """32 sources x 4 beams: each step copies ids, positions, masks and cache_rows to the
+    device and the top candidates back, never the [R,V] logits."""
+    runtime = Runtime(artifacts("rope", "pre"), device_cache=True)
+    ids, mask = sources(runtime, [4] * 32, seed=5)
+    steps = 6
+    options = DecodingOptions(num_beams=4, max_new_tokens=steps,
+                              min_new_tokens=steps).validate(100)
+    batch = DecodeBatch(runtime)
+    searches = [make_search(options, runtime.eos_token_id, runtime.decoder_start_token_id)
+                for _ in range(32)]
+    batch.add(searches, list(range(32)), runtime.encode(ids, mask)[1], mask)
+    before = runtime.counters.snapshot()
+    rows = []
+    while len(batch):
+        rows.append(batch.rows)
+        batch.step()
+    moved = runtime.counters.since(before)
+    assert rows == [32] + [128] * (steps - 1) and moved.runs == steps
+    # back to the host: each row's K candidate ids (int64) and log-probabilities (float32),
+    # exactly; nothing of vocabulary size
+    assert moved.to_host == sum(rows) * runtime.top_candidates * (8 + 4)
+    # to the device: per row its token, position, cache row and mask columns (int64)
+    assert moved.to_device < sum(rows) * 8 * (3 + 2 * (steps + ids.shape[1]))
+
+
+def test_need_logits_false_gives_the_same_candidates_without_logits() -> None:
+    for device_cache in (False, True):
+        runtime = Runtime(artifacts("sinusoidal", "pre"), device_cache=device_cache)
+        ids, mask = sources(runtime, [4, 6], seed=2)
+        start = np.full((2, 1), runtime.decoder_start_token_id, np.int64)  # [2,1]
+        args = (start, np.zeros((2, 1), np.int64), np.ones((2, 1), np.int64), mask)
+        cross = runtime.encode(ids, mask)[1]
+        full = runtime.step(*args, runtime.empty_past(2), cross)
+        lean = runtime.step(*args, runtime.empty_past(2), cross, need_logits=False)
+        assert full.logits is not None and lean.logits is None
+        np.testing.assert_array_equal(full.top_ids, lean.top_ids)
+        np.testing.assert_array_equal(full.top_log_probs, lean.top_log_probs)
+
+
+def test_cache_rows_gathers_the_past_inside_the_step() -> None:
+    """step(past, cache_rows) equals step(take_rows(past, cache_rows)) on the device
+    placement; the host placement refuses cache_rows."""
+    runtime = Runtime(artifacts("rope", "pre"), device_cache=True)
+    ids, mask = sources(runtime, [3, 5, 4], seed=8)
+    _, cross = runtime.encode(ids, mask)
+    start = np.full((3, 1), runtime.decoder_start_token_id, np.int64)  # [3,1]
+    first = runtime.step(start, np.zeros((3, 1), np.int64), np.ones((3, 1), np.int64), mask,
+                         runtime.empty_past(3), cross)
+    rows = np.array([2, 2, 0])
+    args = (np.full((3, 1), 7, np.int64), np.ones((3, 1), np.int64),  # [3,1]
+            np.ones((3, 2), np.int64), mask[rows])
+    cross_rows = runtime.take_rows(cross, rows)
+    inside = runtime.step(*args, first.present, cross_rows, cache_rows=rows)
+    outside = runtime.step(*args, runtime.take_rows(first.present, rows), cross_rows)
+    np.testing.assert_allclose(inside.logits, outside.logits, atol=1e-6, rtol=0)
+    for a, b in zip(inside.present, outside.present):
+        assert isinstance(a, ort.OrtValue)
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    host = Runtime(artifacts("rope", "pre"))
+    with pytest.raises(ValueError, match="cache_rows"):
+        host.step(*args, [value.numpy()[rows] for value in first.present],
+                  [value.numpy() for value in cross_rows], cache_rows=rows)
+
+
+def test_the_row_gather_rewrite_refuses_a_graph_that_is_not_a_decoder(tmp_path) -> None:
+    runtime = Runtime(artifacts("rope", "pre"))
+    encoder = runtime.directory / runtime.manifest.encoder_file
+    with pytest.raises(ValueError, match="has no input 'past_key_0'"):
+        rewritten_decoder(encoder, ["past_key_0"])
