@@ -42,8 +42,22 @@ from typing import Any
 
 from tfserve.bench.common import CASES, Case, cpu_count, export_quietly, json_line
 from tfserve.bench.engines import BUILD_STAMP, ENGINES, INPUTS_FILE, run_engine
-from tfserve.bench.models import MODELS, build_checkpoint, make_inputs, model_spec
-from tfserve.bench.report import agreement, format_agreement, format_table, machine, ratios
+from tfserve.bench.models import (
+    MODELS,
+    SOURCE_LENGTHS,
+    build_checkpoint,
+    make_inputs,
+    model_spec,
+)
+from tfserve.bench.report import (
+    agreement,
+    best_rows,
+    format_agreement,
+    format_table,
+    machine,
+    ratios,
+)
+from tfserve.bench.roofline import batch_one_shares, format_shares
 
 PROG = "python -m tfserve.bench.compare"
 QUICK_CASES = {
@@ -148,6 +162,22 @@ def run_child(argv: list[str], threads: int, timeout: float) -> tuple[int, list[
         return 124, rows, f"timed out after {timeout:.0f}s"
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return done.returncode, rows, done.stderr[-2000:]
+
+
+def batch_one_roofline(work: Path, rows: list[dict[str, Any]], cases: list[str],
+                       new_tokens: int, threads: int) -> dict[str, Any]:
+    """The fp32 engines' greedy batch-1 rates as shares of the bandwidth roofline of the fp32
+    export's step (tfserve.bench.roofline); empty without that case, export or `onnx`."""
+    artifacts = work / "tfserve-fp32"
+    by = best_rows(rows)
+    rates = {engine: by[(engine, "greedy-b1")]["tok_s"] for engine in ("tfserve-fp32", "ct2-fp32")
+             if (engine, "greedy-b1") in by}
+    if "greedy-b1" not in cases or not rates or not (artifacts / "decoder.onnx").is_file():
+        return {}
+    try:
+        return batch_one_shares(artifacts, rates, max(SOURCE_LENGTHS), new_tokens, threads)
+    except ImportError:  # onnx (the export extra) reads the graph's weights
+        return {}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,11 +297,15 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + format_table(rows, summaries, cases, engines))
     if agree:
         print("\n" + format_agreement(agree, "hf-eager"))
+    roofline = batch_one_roofline(work, rows, cases, new_tokens, threads)
+    if roofline:
+        print("\n" + format_shares(roofline))
     print(f"\nload average now {os.getloadavg()[0]:.2f} on {header['machine']['cores']} cores")
     if args.json is not None:
         args.json.write_text(json.dumps({**header, "rows": rows, "engines": summaries,
                                          "ratios": ratios(rows, cases),
                                          "agreement_with_hf": agree,
+                                         "roofline": roofline,
                                          "failures": failures}, indent=1), encoding="utf-8")
     return 1 if failures else 0
 
