@@ -1,0 +1,187 @@
+"""The decoder graph over a static KV cache: fixed buffers written in place, one column a step.
+
+The exported decoder takes past K/V [B,H,P,Dh] and gives present K/V [B,H,P+1,Dh]: every
+step makes a cache one column longer, and the rows joining or leaving a running batch pad,
+concatenate and slice it. Rewritten here at load time, the decoder takes instead, per layer,
+a buffer [R,H,L,Dh] (R rows, L columns: the bucket) and gives it back with the step's column
+written in place:
+
+- `cache_rows` int64 [B]: the buffer row each row continues (a Gather, axis 0: the beam
+  reorder, and rows leaving by not being named; a newcomer names any row, see below);
+- the step's new key and value [B,H,1,Dh] are scattered (ScatterElements, axis 2) into column
+  `position_ids` of their row: a row's history fills columns [0, position) of its buffer row,
+  left-aligned, whatever the other rows' lengths, so a row joins at position 0 without
+  padding anyone's cache;
+- self-attention reads the whole updated buffer (MultiHeadAttention with keys and values
+  [B,H,L,Dh], the form the graph's cross-attention uses), with the mask computed in the graph
+  from the positions (column j is valid for a row at position p when j <= p) in place of the
+  `self_attention_mask` input, which the rewritten graph no longer takes. T5's relative
+  positions count a key's position from that mask (a cumulative sum), so they follow too;
+- `present_key_l` / `present_value_l` are the updated buffers [B,H,L,Dh], which the runtime
+  binds to the first B rows of the bucket's other buffer set (`tfserve.runtime.static_cache`:
+  two sets per bucket, each step reading one and writing the other), so nothing is allocated
+  per step.
+
+Shapes are the bucket's, the buffers stay at their addresses, and nothing crosses to the host
+inside the step: what a captured graph (CUDA graphs) needs to replay it. A newcomer's row
+content is never read: at position 0 only the column it writes is valid.
+
+One new token per row (T = 1, what `DecodeBatch` steps); graphs whose self-attention is not
+ONNX Runtime's fused MultiHeadAttention with past inputs (fp16 exports with standard-op
+attention) are refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tfserve.runtime.step_graph import CACHE_ROWS
+
+SELF_ATTENTION_MASK = "self_attention_mask"
+POSITION_IDS = "position_ids"
+# MultiHeadAttention's inputs (com.microsoft): query, key, value, bias, key_padding_mask,
+# attention_bias, past_key, past_value; outputs: output, present_key, present_value
+_KEY, _VALUE, _PAST_KEY, _PAST_VALUE = 1, 2, 6, 7
+
+
+def static_decoder(
+    decoder: Path, past_names: list[str], present_names: list[str], heads: int, head_dim: int
+) -> bytes:
+    """The decoder graph at `decoder` (its weights left in their files) rewritten for a static
+    cache (module docstring). past_names / present_names: past_key_0, past_value_0, ... and
+    present_key_0, ... in the same order."""
+    from onnx import TensorProto, helper, load
+
+    model = load(str(decoder), load_external_data=False)
+    graph = model.graph
+    inputs = {value.name for value in graph.input}
+    if CACHE_ROWS in inputs:
+        raise ValueError(f"{decoder} already has an input {CACHE_ROWS!r}")
+    for name in (*past_names, SELF_ATTENTION_MASK, POSITION_IDS):
+        if name not in inputs:
+            raise ValueError(f"{decoder} has no input {name!r}")
+    attention = {}  # past key name -> the index of the self-attention node that reads it
+    for index, node in enumerate(graph.node):
+        for name in node.input:
+            if name in past_names:
+                if (
+                    node.op_type != "MultiHeadAttention"
+                    or len(node.input) <= _PAST_VALUE
+                    or node.input[_PAST_KEY] not in past_names
+                ):
+                    raise ValueError(
+                        f"{decoder}: {name!r} is read by a {node.op_type} node "
+                        f"({node.name}); the static cache needs ONNX Runtime's "
+                        "fused MultiHeadAttention with past inputs"
+                    )
+                attention[node.input[_PAST_KEY]] = index
+    missing = [name for name in past_names[::2] if name not in attention]
+    if missing:
+        raise ValueError(f"{decoder}: no self-attention reads {missing[0]!r}")
+    unit = {past: present for past, present in zip(past_names, present_names)}
+
+    made = []  # new nodes, placed first (they read graph inputs only) or before their node
+    # the mask over the buffer's columns, from the positions: [B,L], 1 where j <= position
+    mask = "static/self_attention_mask"
+    made += [
+        helper.make_node("Shape", [past_names[0]], ["static/length"], start=2, end=3),
+        helper.make_node("Squeeze", ["static/length"], ["static/length_scalar"]),
+        helper.make_node(
+            "Constant",
+            [],
+            ["static/zero"],
+            value=helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+        ),
+        helper.make_node(
+            "Constant",
+            [],
+            ["static/one"],
+            value=helper.make_tensor("one", TensorProto.INT64, [], [1]),
+        ),
+        helper.make_node(
+            "Range", ["static/zero", "static/length_scalar", "static/one"], ["static/columns"]
+        ),  # [L]
+        helper.make_node(
+            "Unsqueeze", ["static/columns", "static/axis_0"], ["static/columns_row"]
+        ),  # [1,L]
+        helper.make_node(
+            "Constant",
+            [],
+            ["static/axis_0"],
+            value=helper.make_tensor("axis_0", TensorProto.INT64, [1], [0]),
+        ),
+        helper.make_node(
+            "LessOrEqual", ["static/columns_row", POSITION_IDS], ["static/valid"]
+        ),  # [1,L] <= [B,1] -> [B,L]
+        helper.make_node("Cast", ["static/valid"], [mask], to=TensorProto.INT64),
+        # the write index of each row's new column, [B,1,1,1] (T = 1)
+        helper.make_node(
+            "Constant",
+            [],
+            ["static/axes_1_3"],
+            value=helper.make_tensor("axes_1_3", TensorProto.INT64, [2], [1, 3]),
+        ),
+        helper.make_node("Unsqueeze", [POSITION_IDS, "static/axes_1_3"], ["static/column"]),
+        helper.make_node(
+            "Constant",
+            [],
+            ["static/split_heads"],
+            value=helper.make_tensor(
+                "split_heads", TensorProto.INT64, [4], [0, 0, heads, head_dim]
+            ),
+        ),
+    ]
+    # Constant before use: the node list must stay topologically sorted
+    made.sort(key=lambda node: node.op_type != "Constant")
+    placed: dict[int, list] = {}  # self-attention node index -> the nodes placed before it
+    for past_key, index in attention.items():
+        node = graph.node[index]
+        past_value = node.input[_PAST_VALUE]
+        updated = []
+        for past, new in ((past_key, node.input[_KEY]), (past_value, node.input[_VALUE])):
+            gathered, heads_first = f"{past}/gathered", f"{past}/new_column"
+            # the step's key or value [B,1,H*Dh] -> [B,H,1,Dh]
+            nodes = [
+                helper.make_node("Gather", [past, CACHE_ROWS], [gathered], axis=0),
+                helper.make_node("Reshape", [new, "static/split_heads"], [f"{past}/split"]),
+                helper.make_node("Transpose", [f"{past}/split"], [heads_first], perm=[0, 2, 1, 3]),
+                helper.make_node("Shape", [heads_first], [f"{past}/new_shape"]),
+                helper.make_node(
+                    "Expand", ["static/column", f"{past}/new_shape"], [f"{past}/index"]
+                ),
+                helper.make_node(
+                    "ScatterElements",
+                    [gathered, f"{past}/index", heads_first],
+                    [unit[past]],
+                    axis=2,
+                ),
+            ]
+            placed.setdefault(index, []).extend(nodes)
+            updated.append(unit[past])
+        # attend over the updated buffers: keys and values [B,H,L,Dh], no past, no present
+        del node.input[_PAST_KEY:]
+        node.input[_KEY], node.input[_VALUE] = updated
+        del node.output[1:]
+    nodes = list(made)
+    for index, node in enumerate(graph.node):
+        nodes.extend(placed.get(index, []))
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    # the mask is computed: every reader of the input reads it instead
+    for node in graph.node:
+        for position, name in enumerate(node.input):
+            if name == SELF_ATTENTION_MASK:
+                node.input[position] = mask
+    kept = [value for value in graph.input if value.name != SELF_ATTENTION_MASK]
+    del graph.input[:]
+    graph.input.extend(kept)
+    graph.input.append(helper.make_tensor_value_info(CACHE_ROWS, TensorProto.INT64, ["batch"]))
+    for value in graph.input:  # the buffers' time axis is the bucket's length
+        if value.name in unit:
+            value.type.tensor_type.shape.dim[0].dim_param = "buffer_rows"
+            value.type.tensor_type.shape.dim[2].dim_param = "buffer_length"
+    for value in graph.output:
+        if value.name in present_names:
+            value.type.tensor_type.shape.dim[2].dim_param = "buffer_length"
+    return model.SerializeToString()
