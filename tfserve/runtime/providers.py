@@ -51,6 +51,10 @@ class Provider:
     fallbacks: tuple[str, ...] = ()
     memory: str = "cpu"  # where its tensors live: the OrtValue / IO-binding device name
     cache_on_device: bool = False  # default of Runtime's device_cache
+    # Runtime's kv_cache "auto": the static KV cache (buffers written in place, which a
+    # captured graph can replay) rather than a cache tensor per step. Off on CPU, where the
+    # dynamic one is faster (docs/benchmarks.md); off on CUDA until measured on a GPU
+    static_cache: bool = False
     cpu_arena: bool = False  # allocates from the process's shared CPU arena when asked
     # for the errors: what the provider needs installed, how to get it, what it needs to run
     requirement: str = "onnxruntime"

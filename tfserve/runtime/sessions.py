@@ -34,6 +34,8 @@ from tfserve.runtime.cache import CacheStorage, DeviceCache, HostCache, RunCount
 from tfserve.runtime.packed_weights import constant_weights
 from tfserve.runtime.providers import PROVIDERS, ProviderError, make_session, parse_device
 from tfserve.runtime.shared_weights import shared_initializers
+from tfserve.runtime.static_cache import StaticCache
+from tfserve.runtime.static_step import SELF_ATTENTION_MASK, static_decoder
 from tfserve.runtime.step_graph import (
     CACHE_ROWS,
     loads_rewritten_graphs,
@@ -56,8 +58,13 @@ class Runtime:
         device_cache: bool | None = None,
         allow_spinning: bool = False,
         pack_weights: bool | None = None,
+        kv_cache: str = "auto",
     ) -> None:
         """device_cache: keep the KV cache as OrtValues on the device (default: on CUDA).
+        kv_cache: "dynamic" (a tensor per step, one column longer each time), "static"
+        (preallocated buffers per bucket written in place, tfserve.runtime.static_cache; the
+        device placement, and so device_cache, is implied) or "auto" (the provider's
+        choice: dynamic on CPU, where it is faster).
         pack_weights: on CPU, let ONNX Runtime pre-pack the tied output projection's weight
         (its fastest kernel, one more copy of the token table; default: on CPU;
         tfserve.runtime.packed_weights)."""
@@ -93,14 +100,19 @@ class Runtime:
         self._past_names = self.decoder_inputs[4 : 4 + 2 * self.layers]
         self._cross_names = self.decoder_inputs[4 + 2 * self.layers :]
         provider = PROVIDERS[self.device_kind]
+        self.static_cache = not self.encoder_only and _static_cache(
+            kv_cache, provider.static_cache, device_cache)
         # an encoder-only model has no KV cache to keep anywhere: its encoder's output is
         # fetched to the host (and DeviceCache's row graphs would have no tensors to move)
         self.device_cache = not self.encoder_only and (
-            provider.cache_on_device if device_cache is None else device_cache)
+            self.static_cache or (provider.cache_on_device if device_cache is None
+                                  else device_cache))
         # the device placement reorders a beam step's cache inside the step's one run (the
         # decoder graph with cache_rows, tfserve.runtime.step_graph); the host placement moves
-        # only the rows that change, in place, which is cheaper there than a gather of all
-        self.reorders_in_step = self.device_cache and loads_rewritten_graphs()
+        # only the rows that change, in place, which is cheaper there than a gather of all.
+        # The static cache's rows travel with its StaticPast: the batch never passes them
+        self.reorders_in_step = (self.device_cache and not self.static_cache
+                                 and loads_rewritten_graphs())
         cpu = self.device_kind == "cpu"
         self.pack_weights = cpu if pack_weights is None else pack_weights and cpu
         self.encoder = _load_graph(graph_files[0], session_args, shared[0])
@@ -129,18 +141,33 @@ class Runtime:
         # where the KV cache lives between steps, chosen once: every run and row operation
         # goes through it
         cache_shape = (2 * self.layers, cfg.num_heads, cfg.head_dim, self.float_dtype)
-        self.cache_storage: CacheStorage = (
-            DeviceCache(*cache_shape, provider.memory, self.device_index,
-                        self._session.get_providers())
-            if self.device_cache else HostCache(*cache_shape))
+        self.cache_storage: CacheStorage
+        if self.static_cache:
+            self.cache_storage = StaticCache(*cache_shape, provider.memory, self.device_index,
+                                             self._session.get_providers(),
+                                             cfg.max_target_positions)
+        elif self.device_cache:
+            self.cache_storage = DeviceCache(*cache_shape, provider.memory, self.device_index,
+                                             self._session.get_providers())
+        else:
+            self.cache_storage = HostCache(*cache_shape)
         self._check_against_graphs(encoder_facts, decoder_facts)
+        if isinstance(self.cache_storage, StaticCache):
+            # the check stepped at the last target position: a bucket serving rarely needs
+            self.cache_storage.drop_pool()
 
     def _decoder_bytes(self, path: Path) -> bytes | None:
         """The decoder graph rewritten for how this runtime runs it (None: the file as it
-        is): cache_rows where it reorders in the step, its tied table constant where it
-        pre-packs weights."""
-        model = (rewritten_decoder(path, self._past_names) if self.reorders_in_step
-                 else None)
+        is): cache_rows where it reorders in the step, the static cache's buffers where it
+        keeps one, its tied table constant where it pre-packs weights."""
+        model = None
+        if self.static_cache:
+            cfg = self.config
+            presents = [name.replace("past_", "present_", 1) for name in self._past_names]
+            model = static_decoder(path, self._past_names, presents, cfg.num_heads,
+                                   cfg.head_dim)
+        elif self.reorders_in_step:
+            model = rewritten_decoder(path, self._past_names)
         revision = self.manifest.provenance.get("graph_revision", 1)
         if self.pack_weights and revision >= SHARED_TABLE_REVISION and reads_graph_bytes():
             packed, names = constant_weights(path.read_bytes() if model is None else model)
@@ -166,9 +193,12 @@ class Runtime:
         where = self.directory / MANIFEST_FILE
         cfg = self.config
         files = {"encoder": self.manifest.encoder_file, "decoder": self.manifest.decoder_file}
-        step_inputs = [CACHE_ROWS] if self.reorders_in_step else []  # the load's rewrite
+        # the load's rewrite: cache_rows; the static cache computes the self-attention mask
+        step_inputs = [CACHE_ROWS] if self.reorders_in_step or self.static_cache else []
+        decoder_inputs = [name for name in self.decoder_inputs
+                          if not (self.static_cache and name == SELF_ATTENTION_MASK)]
         expected = {"encoder": (self.encoder_inputs, self.encoder_outputs),
-                    "decoder": (self.decoder_inputs + step_inputs, self.decoder_outputs)}
+                    "decoder": (decoder_inputs + step_inputs, self.decoder_outputs)}
         graphs = [("encoder", self.encoder)]
         if self.decoder is not None:
             graphs.append(("decoder", self.decoder))
@@ -304,6 +334,9 @@ class Runtime:
             "dtype": self.manifest.dtype,
             # the tied projection's weight pre-packed (tfserve.runtime.packed_weights)
             "pack_weights": self.pack_weights,
+            # the self-attention cache: "static" (buffers per bucket written in place,
+            # tfserve.runtime.static_cache) or "dynamic" (a tensor per step)
+            "kv_cache": "static" if self.static_cache else "dynamic",
             "quantization": self.manifest.quantization,
         }
 
@@ -379,6 +412,27 @@ class Runtime:
 
     def slice_time(self, cache: Sequence[Any], start: int, stop: int) -> list[Any]:
         return self.cache_storage.slice_time(cache, start, stop)
+
+
+KV_CACHES = ("auto", "static", "dynamic")
+
+
+def _static_cache(kv_cache: str, provider_default: bool, device_cache: bool | None) -> bool:
+    """Whether the runtime keeps the static KV cache (Runtime's kv_cache)."""
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, not {kv_cache!r}")
+    # auto: the provider's choice, unless the cache is kept on the host
+    static = (provider_default and device_cache is not False if kv_cache == "auto"
+              else kv_cache == "static")
+    if kv_cache == "static" and device_cache is False:
+        raise ValueError("kv_cache 'static' keeps the cache in OrtValues (the device "
+                         "placement): it cannot be used with device_cache=False")
+    if static and not loads_rewritten_graphs():
+        if kv_cache == "auto":
+            return False
+        raise ValueError("kv_cache 'static' rewrites the decoder graph at load: it needs "
+                         "ONNX Runtime 1.21 or later and the onnx package")
+    return static
 
 
 def _int64(array: np.ndarray) -> np.ndarray:

@@ -1,0 +1,255 @@
+"""The static KV cache (tfserve.runtime.static_cache), forced on CPU: the dynamic path's tokens
+and scores with rows joining, leaving and reordering, buffers written in place and reused,
+buckets that grow, and no row graph run on the self-attention cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.exported import artifacts
+from tfserve.generation import DecodingOptions, Hypothesis, make_search
+from tfserve.generation.batch import DecodeBatch, Joining
+from tfserve.runtime import Runtime
+from tfserve.runtime.cache_graphs import DeviceCacheOps
+from tfserve.runtime.static_cache import StaticCache, StaticPast
+from tfserve.runtime.static_step import static_decoder
+
+OPTIONS = [
+    DecodingOptions(max_new_tokens=9, num_beams=4, num_return_sequences=2),
+    DecodingOptions(max_new_tokens=7),
+    DecodingOptions(max_new_tokens=9, do_sample=True, top_k=5, seed=3),
+    DecodingOptions(max_new_tokens=8, num_beams=4, length_penalty=0.6),
+    DecodingOptions(max_new_tokens=6, do_sample=True, top_p=0.9, temperature=0.8, seed=11),
+    DecodingOptions(max_new_tokens=5),
+    DecodingOptions(max_new_tokens=9, num_beams=2, min_new_tokens=4),
+    DecodingOptions(max_new_tokens=8, num_beams=3, early_stopping=True),
+]
+
+
+def sources(runtime: Runtime, lengths: list[int], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    rows = [
+        rng.integers(3, runtime.vocab_size, size=n).tolist() + [runtime.eos_token_id]
+        for n in lengths
+    ]
+    return runtime.tokenizer.pad_batch(rows)
+
+
+def run_waves(
+    runtime: Runtime, seed: int = 11, runs: list[int] | None = None
+) -> dict[int, list[Hypothesis]]:
+    """Greedy, beam and seeded sampling searches joining a running batch in four waves (the
+    later ones while others are mid-decode), one cancelled, others finishing and leaving
+    between the waves: each source's hypotheses. runs: the ONNX Runtime runs of each step."""
+    ids, mask = sources(runtime, [5, 3, 8, 2, 6, 4, 7, 3], seed=seed)
+    options = [o.validate(runtime.max_target_positions - 1) for o in OPTIONS]
+    batch = DecodeBatch(runtime)
+
+    def join(rows: list[int]) -> None:
+        _, cross = runtime.encode(ids[rows], mask[rows])
+        searches = [
+            make_search(options[r], runtime.eos_token_id, runtime.decoder_start_token_id)
+            for r in rows
+        ]
+        batch.join([Joining(searches, rows, cross, mask[rows])])
+
+    results: dict[int, list[Hypothesis]] = {}
+    join([0, 1, 2])
+    for step in range(40):
+        if step == 2:
+            join([3, 4])
+        if step == 4:
+            join([5, 6])
+        if step == 5:
+            assert len(batch.remove({6})) == 1  # cancelled between steps, mid-decode
+        if step == 8:
+            join([7])  # after rows 1 and 5 finished: into the rows they left
+        before = runtime.counters.runs
+        for tag, search in batch.step():
+            results[tag] = search.results()
+        if runs is not None:
+            runs.append(runtime.counters.runs - before)
+        if not len(batch):
+            break
+    return results
+
+
+def assert_same(got: dict[int, list[Hypothesis]], expected: dict[int, list[Hypothesis]]) -> None:
+    assert sorted(got) == sorted(expected) == [0, 1, 2, 3, 4, 5, 7]
+    for tag in expected:
+        assert [h.token_ids for h in got[tag]] == [h.token_ids for h in expected[tag]], tag
+        np.testing.assert_allclose(
+            [h.score for h in got[tag]], [h.score for h in expected[tag]], atol=1e-5, rtol=0
+        )
+
+
+@pytest.mark.parametrize("positions", ["rope", "relative", "sinusoidal"])
+def test_the_static_cache_gives_the_dynamic_paths_hypotheses(positions: str) -> None:
+    """Rows joining into a running batch, leaving (finished, cancelled) and reordering
+    (beams): greedy, beam and seeded sampling give the dynamic path's tokens and scores.
+    T5's relative positions count a key's position from the mask the graph computes."""
+    dynamic = Runtime(artifacts(positions, "pre"))
+    static = Runtime(artifacts(positions, "pre"), kv_cache="static")
+    assert isinstance(static.cache_storage, StaticCache)
+    assert not static.reorders_in_step  # the StaticPast carries the rows itself
+    assert_same(run_waves(static), run_waves(dynamic))
+
+
+def test_no_row_graph_touches_the_self_attention_cache(monkeypatch) -> None:
+    """The self-attention cache is neither concatenated, padded, sliced nor gathered by a
+    run of its own: the row graphs that run (rows joining, members leaving or changing
+    their row count) move the cross K/V only, a steady step is the decoder's one run, and
+    one bucket serves the whole decode, written in place."""
+    runtime = Runtime(artifacts("rope", "pre"), kv_cache="static")
+    storage = runtime.cache_storage
+    moved: list[tuple[str, list[int]]] = []
+    row_graph = DeviceCacheOps._run
+
+    def spy(self, kind, tensors, **small):
+        moved.extend((kind, list(tensor.shape())) for tensor in tensors)
+        return row_graph(self, kind, tensors, **small)
+
+    monkeypatch.setattr(DeviceCacheOps, "_run", spy)
+    storage.ROWS = 32  # every row of the decode (beams and retired rows included) fits
+    made = storage.buckets_made
+    runs: list[int] = []
+    run_waves(runtime, runs=runs)
+    source_len = 9  # the longest source: 8 tokens and eos
+    assert moved and all(shape[2] <= source_len for _, shape in moved), moved
+    assert storage.buckets_made == made + 1  # one bucket, its two sets swapped at each step
+    # what runs besides the decoder is the cross K/V's row graphs when the members' layout
+    # changes, as on the dynamic device placement, which also moves the self-attention cache
+    device_runs: list[int] = []
+    run_waves(Runtime(artifacts("rope", "pre"), device_cache=True), runs=device_runs)
+    assert sum(runs) < sum(device_runs) and runs[-4:] == [1, 1, 1, 1], (runs, device_runs)
+
+
+def buffer_addresses(past: object) -> tuple[int, ...]:
+    """Where the buffers of a StaticPast lie (both sets)."""
+    assert isinstance(past, StaticPast) and past.buffers is not None
+    return tuple(value.data_ptr() for values in past.buffers.sets for value in values)
+
+
+def test_rows_that_leave_free_their_slots_for_the_next_ones() -> None:
+    """Rows finishing while newcomers join (mid-decode and after the others left): the
+    batch keeps writing the same buffers, and the next batch takes them from the pool."""
+    runtime = Runtime(artifacts("rope", "pre"), kv_cache="static")
+    storage = runtime.cache_storage
+    ids, mask = sources(runtime, [4, 6, 3, 5, 7, 2], seed=4)
+    options = DecodingOptions(max_new_tokens=4, min_new_tokens=4).validate(100)
+    made = storage.buckets_made
+    addresses = set()
+    for _ in range(2):  # the second batch reuses the first one's buffers
+        batch = DecodeBatch(runtime)
+        finished = []
+        for step in range(12):
+            wave = {0: [0, 1], 2: [2, 3], 6: [4, 5]}.get(step, [])
+            if wave:
+                _, cross = runtime.encode(ids[wave], mask[wave])
+                searches = [
+                    make_search(options, runtime.eos_token_id, runtime.decoder_start_token_id)
+                    for _ in wave
+                ]
+                batch.join([Joining(searches, wave, cross, mask[wave])])
+            if len(batch):
+                finished += [tag for tag, _ in batch.step()]
+                addresses.add(buffer_addresses(batch.past) if len(batch) else None)
+        assert sorted(finished) == [0, 1, 2, 3, 4, 5]
+    assert len(addresses - {None}) == 1  # one pair of buffer sets, at fixed addresses
+    assert storage.buckets_made == made + 1
+
+
+def test_a_batch_that_outgrows_its_bucket_moves_to_a_bigger_one() -> None:
+    """Buckets of 2 rows x 4 columns to start with: 3 sources x 4 beams decoding 9 tokens
+    grow both, once each way at most per size, with the dynamic path's results; a position
+    past model.max_target_positions is refused naming it."""
+    dynamic = Runtime(artifacts("rope", "pre"))
+    static = Runtime(artifacts("rope", "pre"), kv_cache="static")
+    storage = static.cache_storage
+    storage.ROWS, storage.LENGTH = 2, 4
+    ids, mask = sources(static, [5, 3, 7], seed=6)
+    options = DecodingOptions(max_new_tokens=9, min_new_tokens=9, num_beams=4).validate(100)
+
+    def decode(runtime: Runtime) -> list[list[Hypothesis]]:
+        from tfserve.generation.batch import generate
+
+        return generate(runtime, ids, mask, [options] * 3)
+
+    made = storage.buckets_made
+    got, expected = decode(static), decode(dynamic)
+    assert [[h.token_ids for h in r] for r in got] == [[h.token_ids for h in r] for r in expected]
+    np.testing.assert_allclose(
+        [[h.score for h in r] for r in got],
+        [[h.score for h in r] for r in expected],
+        atol=1e-5,
+        rtol=0,
+    )
+    # rows 2 -> 4 -> 16 (3 start rows, then 12 beams), columns 4 -> 8 -> 16 (10 positions)
+    assert 3 <= storage.buckets_made - made <= 5
+    limit = static.max_target_positions
+    one = np.ones((1, 1), np.int64)
+    _, cross = static.encode(ids[:1], mask[:1])
+    with pytest.raises(ValueError, match="max_target_positions"):
+        static.step(
+            one, np.full((1, 1), limit, np.int64), one, mask[:1], static.empty_past(1), cross
+        )
+
+
+def test_a_step_on_taken_rows_leaves_the_batch_cache_as_it_was() -> None:
+    """run_alone steps a member's rows taken from the batch (no reuse): the batch's own
+    cache is not written, and it decodes on as if nothing had run; a present that a later
+    step overwrote is refused."""
+    runtime = Runtime(artifacts("rope", "pre"), kv_cache="static")
+    dynamic = Runtime(artifacts("rope", "pre"))
+    ids, mask = sources(runtime, [4, 6], seed=9)
+    options = DecodingOptions(max_new_tokens=6, min_new_tokens=6, num_beams=3).validate(100)
+
+    def decode(backend: Runtime, probe: bool) -> list[list[int]]:
+        batch = DecodeBatch(backend)
+        searches = [
+            make_search(options, backend.eos_token_id, backend.decoder_start_token_id)
+            for _ in range(2)
+        ]
+        batch.add(searches, [0, 1], backend.encode(ids, mask)[1], mask)
+        results = {}
+        for step in range(10):
+            if probe and step == 3:
+                assert batch.run_alone(1) is None
+                assert batch.run_alone(0) is None
+            results.update((tag, s.results()) for tag, s in batch.step())
+            if not len(batch):
+                break
+        return [[h.token_ids for h in results[tag]] for tag in (0, 1)]
+
+    assert decode(runtime, probe=True) == decode(dynamic, probe=False)
+    # a present of an older step names rows that a later step overwrote
+    start = np.full((1, 1), runtime.decoder_start_token_id, np.int64)  # [1,1]
+    one = np.ones((1, 1), np.int64)
+    cross = runtime.encode(ids[:1], mask[:1])[1]
+    first = runtime.step(
+        start, np.zeros((1, 1), np.int64), one, mask[:1], runtime.empty_past(1), cross
+    )
+    runtime.step(start, one, one, mask[:1], first.present, cross)
+    with pytest.raises(ValueError, match="overwritten by a later step"):
+        runtime.step(start, one, one, mask[:1], first.present, cross)
+
+
+def test_the_cache_is_chosen_per_provider_and_described() -> None:
+    """CPU keeps the dynamic cache (faster there); the static one is asked for by name,
+    needs the device placement, and describe() (ModelInfo's runtime) says which."""
+    path = artifacts("rope", "pre")
+    assert Runtime(path).describe()["kv_cache"] == "dynamic"
+    assert Runtime(path, device_cache=True).describe()["kv_cache"] == "dynamic"
+    assert Runtime(path, kv_cache="static").describe()["kv_cache"] == "static"
+    with pytest.raises(ValueError, match="kv_cache"):
+        Runtime(path, kv_cache="static", device_cache=False)
+    with pytest.raises(ValueError, match="kv_cache"):
+        Runtime(path, kv_cache="paged")
+
+
+def test_the_static_rewrite_refuses_a_graph_that_is_not_a_decoder() -> None:
+    runtime = Runtime(artifacts("rope", "pre"))
+    encoder = runtime.directory / runtime.manifest.encoder_file
+    with pytest.raises(ValueError, match="has no input 'past_key_0'"):
+        static_decoder(encoder, ["past_key_0"], ["present_key_0"], 4, 8)
