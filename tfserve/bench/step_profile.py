@@ -15,7 +15,9 @@ vocabulary (NLLB-200's 256,206 ids) the output projection (`/lm_head/MatMul`, or
 --search decodes `--batch` random sources of `--source` tokens with `--beams` beams (1:
 greedy) for `--steps` new tokens through the serving path (`Runtime` and `DecodeBatch`), with
 the KV cache kept as the device placement keeps it (`--placement device`, the path CUDA takes,
-here in CPU memory) or as the CPU keeps it (`--placement host`), and prints the ONNX Runtime
+here in CPU memory), as the CPU keeps it (`--placement host`) or in the static buffers of
+`Runtime(kv_cache="static")` (`--placement static`: the device placement with buffers per
+bucket written in place, tfserve.runtime.static_cache), and prints the ONNX Runtime
 runs and the bytes copied between host and device memory per decoder step (the runtime's
 `RunCounters`; the encoder run and the rows' joining are not counted).
 
@@ -105,7 +107,8 @@ def search_profile(artifacts: Path, batch: int, beams: int, source: int, steps: 
     from tfserve.runtime import Runtime
 
     runtime = Runtime(artifacts, intra_op_threads=threads,
-                      device_cache=placement == "device")
+                      device_cache=placement in ("device", "static"),
+                      kv_cache="static" if placement == "static" else "dynamic")
     if runtime.decoder is None:
         raise ValueError(f"{artifacts} is an encoder-only model (model.decoder_layers 0): it "
                          "has no decoder step to profile")
@@ -151,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode with a search and report runs and host <-> device bytes "
                              "per step instead of the node profile")
     parser.add_argument("--beams", type=int, default=1, help="--search: beams (1: greedy)")
-    parser.add_argument("--placement", choices=("device", "host"), default="device",
-                        help="--search: where the KV cache lives between steps")
+    parser.add_argument("--placement", choices=("device", "host", "static"), default="device",
+                        help="--search: where the KV cache lives between steps (static: "
+                             "the device placement's static buffers)")
     args = parser.parse_args(argv)
     for name in ("batch", "past", "source", "steps", "top", "beams"):
         if getattr(args, name) < 1:
