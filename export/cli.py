@@ -275,13 +275,14 @@ def unverified_report(dtype: str) -> dict[str, Any]:
 
 def recorded_generation(extra: dict[str, Any]) -> dict[str, Any]:
     """The generation settings an importer kept in ModelConfig.extra (Marian, T5)."""
-    from tfserve.artifacts.generation_defaults import HF_FIELDS
+    from tfserve.artifacts.generation_defaults import hf_fields
 
     recorded = extra.get("hf_generation")
     if not isinstance(recorded, dict):
         return {}
+    known = hf_fields()
     return {key: value for key, value in recorded.items()
-            if key in HF_FIELDS and value is not None}
+            if key in known and value is not None}
 
 
 def banned_token_ids(source: Source, generation: dict[str, Any]) -> list[int]:

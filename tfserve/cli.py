@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tfserve import option_table
 from tfserve.argparsing import (
     EXIT_BROKEN_PIPE,
     EXIT_FAILURE,
@@ -53,49 +54,23 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:
-    """The decoding flags. A flag left out takes the model's generation default (its
-    checkpoint's generation_config.json: opus-mt asks for --beams 4), else the value its help
-    names."""
+    """A flag per decoding option (tfserve.option_table: its flag, type and help; a boolean
+    option is a --flag / --no-flag pair). A flag left out takes the model's generation
+    default (its checkpoint's generation_config.json: opus-mt asks for --beams 4), else the
+    default its help names."""
     group = parser.add_argument_group(
         "decoding", "a flag left out takes the model's own generation default (its "
         "checkpoint's generation_config.json), else the default named here")
-    group.add_argument("--max-new-tokens", type=int, default=None,
-                       help="most tokens generated per text (default: 256 or the model's "
-                       "limit, whichever is smaller)")
-    group.add_argument("--min-new-tokens", type=int, default=None,
-                       help="tokens generated before end-of-sentence is allowed (default: 0)")
-    group.add_argument("--beams", type=int, default=None,
-                       help="beam size (1: greedy; default: 1)")
-    group.add_argument("--length-penalty", type=float, default=None,
-                       help="beam search ranks hypotheses by log-probability / length ** this: "
-                       "above 1 favours longer ones, below 1 shorter ones (default: 1.0)")
-    group.add_argument("--early-stopping", action=argparse.BooleanOptionalAction,
-                       default=None,
-                       help="beam search: stop as soon as --beams hypotheses are finished, "
-                       "instead of when no running beam can beat them (default: off)")
-    group.add_argument("--n-best", type=int, default=1,
-                       help="hypotheses printed per text (at most --beams, or with --sample "
-                       "independent samples)")
-    group.add_argument("--sample", action="store_true", help="sample instead of searching")
-    group.add_argument("--temperature", type=float, default=None,
-                       help="--sample: divide the logits by this (below 1 sharper, above 1 "
-                       "flatter; default: 1.0)")
-    group.add_argument("--top-k", type=int, default=None,
-                       help="--sample: draw from the k most likely tokens only (default 0: "
-                       "all)")
-    group.add_argument("--top-p", type=float, default=None,
-                       help="--sample: draw from the smallest set of tokens whose probability "
-                       "reaches p (nucleus sampling; default 1: all)")
-    group.add_argument("--seed", type=int, default=None,
-                       help="--sample: random seed, for repeatable samples (default: a fresh "
-                       "one per run)")
-    group.add_argument("--repetition-penalty", type=float, default=None,
-                       help="divide the score of every token already in the output by this "
-                       "(where positive; multiply where negative), in [0.1, 10]: above 1 "
-                       "discourages repeats, below 1 encourages them (default: 1.0, off)")
-    group.add_argument("--no-repeat-ngram-size", type=int, default=None,
-                       help="no n-gram of this many tokens occurs twice in the output "
-                       "(default: 0, off)")
+    for declared in option_table.OPTIONS:
+        flag = declared.cli_flag
+        if declared.type is bool:
+            group.add_argument(flag, dest=declared.name, default=None,
+                               action=argparse.BooleanOptionalAction,
+                               help=declared.description)
+        else:
+            group.add_argument(flag, dest=declared.name, default=None, type=declared.type,
+                               metavar=flag[2:].upper().replace("-", "_"),
+                               help=declared.description)
     languages = parser.add_argument_group(
         "languages", "a multilingual model's language codes (NLLB-200 eng_Latn, M2M100 en, "
         "mBART-50 en_XX; the model's info lists them)")
@@ -112,14 +87,8 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
 def decoding_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The decoding options and languages the flags set (those left out are not passed:
     the model's generation defaults fill them)."""
-    given = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
-                 num_beams=args.beams, length_penalty=args.length_penalty,
-                 early_stopping=args.early_stopping, num_return_sequences=args.n_best,
-                 do_sample=args.sample or None, temperature=args.temperature,
-                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                 repetition_penalty=args.repetition_penalty,
-                 no_repeat_ngram_size=args.no_repeat_ngram_size,
-                 source_language=args.source_lang, target_language=args.target_lang,
+    given = {name: getattr(args, name) for name in option_table.names()}
+    given.update(source_language=args.source_lang, target_language=args.target_lang,
                  target_prefix=args.prefix)
     return {name: value for name, value in given.items() if value is not None}
 
@@ -224,7 +193,7 @@ def print_translations(args: argparse.Namespace, texts: Sequence[str],
                 {"text": h.text, "token_ids": list(h.token_ids), "score": h.score}
                 for h in hyps or []]}, ensure_ascii=False))
         elif hyps is None:  # a blank input: as many blank lines as a real one would print
-            print("\n" * (args.n_best - 1))
+            print("\n" * ((args.num_return_sequences or 1) - 1))
         else:
             for h in hyps:
                 print(f"{h.score:.4f}\t{h.text}" if args.scores else h.text)

@@ -12,9 +12,9 @@
         client.translate(["Hello."], source_language="eng_Latn",     # a multilingual model
                          target_language="fra_Latn", target_prefix="Bonjour")
 
-Decoding options are the keyword arguments of `tfserve.generation.DecodingOptions`
-(repetition_penalty and no_repeat_ngram_size included); the server validates them, and
-options left out (or None) take the model's generation defaults. source_language,
+Decoding options are keyword arguments named as the options of `tfserve.option_table`
+(num_beams, temperature, repetition_penalty, ...); the server validates them, and options
+left out (or None) take the model's generation defaults. source_language,
 target_language and target_prefix are named as in `Translator.translate`; target_prefix is
 one string for every text or a list with one per text. A failed call raises `ServerError` (a
 RuntimeError and a grpc.RpcError) carrying the status code and the server's message.
@@ -43,15 +43,13 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tfserve import option_table
 from tfserve.proto import load as load_stubs
 from tfserve.translator import Encoding, Translation
 
 pb2, pb2_grpc = load_stubs()
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_OPTION_FIELDS = ("max_new_tokens", "min_new_tokens", "num_beams", "length_penalty",
-                  "num_return_sequences", "do_sample", "temperature", "top_k", "top_p", "seed",
-                  "early_stopping", "repetition_penalty", "no_repeat_ngram_size")
 
 
 class ServerError(RuntimeError, grpc.RpcError):
@@ -84,8 +82,9 @@ class StreamChunk:
 
 
 def options_message(**options: Any) -> Any:
-    """DecodingOptions keyword arguments -> the proto message (None: server default)."""
-    unknown = sorted(set(options) - set(_OPTION_FIELDS))
+    """Decoding options (tfserve.option_table's, by name) -> the proto message, each the
+    field of its name (None: the server default)."""
+    unknown = sorted(set(options) - set(option_table.names()))
     if unknown:
         raise ValueError(f"unknown decoding option(s): {', '.join(unknown)}")
     message = pb2.DecodingOptions()

@@ -6,12 +6,12 @@ checkpoint's config.json overlaid by its generation_config.json, as transformers
 GenerationConfig. Every front end (Translator, server, CLI) merges a request's options with
 them here, in `GenerationDefaults.merge`, so that they mean the same everywhere:
 
-- num_beams, length_penalty, early_stopping (true, false or "never") -> the same fields,
-  for beam search only: a request that samples does not get them;
+- the decoding options tfserve.option_table marks `checkpoint` -> the same fields
+  (early_stopping: true, false or "never"); those only beam search reads (the table's
+  searches) not for a request that samples;
 - max_new_tokens -> max_new_tokens; else max_length -> max_new_tokens = max_length - 1 -
   input prefix (transformers counts the start token and a given decoder input, a target
   prefix, in max_length); min_length -> min_new_tokens likewise;
-- no_repeat_ngram_size, repetition_penalty -> the same fields;
 - forced_bos_token_id -> the first output token (`prefix_token_ids`); a multilingual
   model's target language takes its place;
 - forced_eos_token_id -> forced_eos (eos is the max_new_tokens-th new token), where it is
@@ -27,7 +27,8 @@ them here, in `GenerationDefaults.merge`, so that they mean the same everywhere:
 Recorded but not applied (`GenerationDefaults.unapplied`): a forced_eos_token_id other than
 the model's eos, bad_words_ids entries of more than one token (transformers bans their last
 token where the others end the sequence so far; tfserve does not).
-Pure Python: part of the serving path.
+Pure Python: part of the serving path. tfserve.option_table sits below it (it imports nothing
+of tfserve), so the artifacts read the decoding options' table without importing generation.
 """
 
 from __future__ import annotations
@@ -36,24 +37,40 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# the generation_config.json fields tfserve reads, with the type each must have
-HF_FIELDS: dict[str, tuple[type, ...]] = {
-    "num_beams": (int,),
+from tfserve import option_table
+
+# the generation_config.json fields of the rules of their own (module docstring), with the
+# type each must have; the option fields a checkpoint sets as they are come from
+# tfserve.option_table (hf_fields)
+RULED_FIELDS: dict[str, tuple[type, ...]] = {
     "max_length": (int,),
     "max_new_tokens": (int,),
     "min_length": (int,),
     "min_new_tokens": (int,),
-    "length_penalty": (int, float),
-    "early_stopping": (bool, str),
-    "no_repeat_ngram_size": (int,),
-    "repetition_penalty": (int, float),
     "forced_bos_token_id": (int,),
     "forced_eos_token_id": (int, list),
     "decoder_start_token_id": (int,),
     "bad_words_ids": (list,),
 }
-# DecodingOptions fields only beam search reads: not applied to a request that samples
-BEAM_FIELDS = ("num_beams", "length_penalty", "early_stopping")
+# the JSON types a generation_config.json field of an option's type may have
+_JSON_KINDS: dict[type, tuple[type, ...]] = {int: (int,), float: (int, float), bool: (bool,)}
+
+
+def hf_fields() -> dict[str, tuple[type, ...]]:
+    """The generation_config.json fields tfserve reads, with the types each must have: the
+    decoding options a checkpoint sets (option_table's `checkpoint` ones, under their own
+    names), then RULED_FIELDS."""
+    copied = {declared.name: _JSON_KINDS[declared.type]
+              + tuple({type(value) for value in declared.extra_values})
+              for declared in option_table.OPTIONS if declared.checkpoint}
+    return {**copied, **RULED_FIELDS}
+
+
+def beam_fields() -> tuple[str, ...]:
+    """The DecodingOptions fields only beam search reads: not applied to a request that
+    samples."""
+    return tuple(declared.name for declared in option_table.OPTIONS
+                 if declared.searches == ("beam",))
 
 
 def pad_ban(pad_token_id: int, eos_token_id: int) -> tuple[int, ...]:
@@ -73,11 +90,12 @@ def _single_token(entry: Any) -> int | None:
 
 def from_hf_files(config: Mapping[str, Any], generation_config: Mapping[str, Any] | None
                   ) -> dict[str, Any]:
-    """The fields of HF_FIELDS in config.json, overlaid by generation_config.json (as
+    """The fields of hf_fields() in config.json, overlaid by generation_config.json (as
     transformers reads a checkpoint); None values (unset) left out."""
+    known = hf_fields()
     merged: dict[str, Any] = {}
     for source in (config, generation_config or {}):
-        for key in HF_FIELDS:
+        for key in known:
             if key in source:
                 merged[key] = source[key]
     return {key: value for key, value in merged.items() if value is not None}
@@ -93,11 +111,12 @@ class GenerationDefaults:
         if not isinstance(self.fields, dict):
             raise ValueError(f"generation must be a JSON object, got "
                              f"{type(self.fields).__name__}")
+        known = hf_fields()
         for key, value in self.fields.items():
-            kinds = HF_FIELDS.get(key)
+            kinds = known.get(key)
             if kinds is None:
                 raise ValueError(f"generation.{key} is not a setting tfserve reads "
-                                 f"(known: {', '.join(HF_FIELDS)})")
+                                 f"(known: {', '.join(known)})")
             if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
                 raise ValueError(f"generation.{key} must be "
                                  f"{' or '.join(k.__name__ for k in kinds)}, got {value!r}")
@@ -156,10 +175,9 @@ class GenerationDefaults:
         """
         values = self.fields
         out: dict[str, Any] = {}
-        for name in ("num_beams", "length_penalty", "no_repeat_ngram_size",
-                     "repetition_penalty", "early_stopping"):
-            if name in values:
-                out[name] = values[name]
+        for declared in option_table.OPTIONS:
+            if declared.checkpoint and declared.name in values:
+                out[declared.name] = values[declared.name]
         if self.forces_eos(eos_token_id):
             out["forced_eos"] = True
         if "max_new_tokens" in values:
@@ -189,7 +207,8 @@ class GenerationDefaults:
         samples."""
         defaults = self.decoding_fields(input_prefix, max_new_tokens_limit, eos_token_id)
         if given.get("do_sample"):
-            defaults = {k: v for k, v in defaults.items() if k not in BEAM_FIELDS}
+            beam_only = beam_fields()
+            defaults = {k: v for k, v in defaults.items() if k not in beam_only}
         asked = given.get("max_new_tokens")
         if isinstance(asked, int) and asked > 0 and "min_new_tokens" in defaults:
             defaults["min_new_tokens"] = min(defaults["min_new_tokens"], asked)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tfserve.artifacts.generation_defaults import HF_FIELDS, GenerationDefaults, pad_ban
+from tfserve.artifacts.generation_defaults import GenerationDefaults, hf_fields, pad_ban
 from tfserve.artifacts.model_config import ConfigError, ModelConfig
 from tfserve.text.tokenizer import TokenizerSpec
 
@@ -277,7 +277,8 @@ def _generation(data: dict[str, Any]) -> dict[str, Any]:
     recorded = extra.get("hf_generation") if isinstance(extra, dict) else None
     if not isinstance(recorded, dict):
         return {}
-    return {k: v for k, v in recorded.items() if k in HF_FIELDS and v is not None}
+    known = hf_fields()
+    return {k: v for k, v in recorded.items() if k in known and v is not None}
 
 
 # -- what a graph file declares ---------------------------------------------------------------

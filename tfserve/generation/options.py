@@ -1,18 +1,90 @@
-"""How to search (DecodingOptions and their limits) and what a search returns (Hypothesis)."""
+"""How to search (DecodingOptions and their limits) and what a search returns (Hypothesis).
+
+The options a request sets are declared in tfserve.option_table (name, type, default,
+limits): DecodingOptions has a field for each, and validate() checks each against its
+declared limits. The fields the server sets itself (a prefix, forced eos, the start token)
+are declared here.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
-DEFAULT_MAX_NEW_TOKENS = 256
+from tfserve import option_table
+from tfserve.option_table import DEFAULT_MAX_NEW_TOKENS, Option
+
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DecodingOptions", "Hypothesis"]
+
+_Class = TypeVar("_Class")
 
 
-@dataclass
+def _option_fields(cls: type[_Class]) -> type[_Class]:
+    """A class decorator: the class becomes a dataclass with a field per declared option
+    (option_table.OPTIONS, in order, with its type and default), then its own fields."""
+    own = dict(cls.__dict__.get("__annotations__", {}))
+    cls.__annotations__ = {**{declared.name: declared.annotation
+                              for declared in option_table.OPTIONS}, **own}
+    for declared in option_table.OPTIONS:
+        setattr(cls, declared.name, declared.default)
+    return dataclass(cls)
+
+
+def _integer(name: str, value: Any, low: float | None, high: float | None = None,
+             why: str = "") -> None:
+    """ValueError naming `name` unless value is an integer in [low, high] (None: no bound;
+    an upper bound goes with a lower one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if low is None:
+        return
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}{why}, got {value}")
+
+
+def _boolean(name: str, value: Any, extra_values: tuple[str, ...] = ()) -> None:
+    """ValueError naming `name` unless value is a boolean (or one of extra_values)."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, str)
+                                                and value in extra_values):
+        return
+    if extra_values:
+        words = ["true", "false", *(f'"{extra}"' for extra in extra_values)]
+        raise ValueError(f"{name} must be {', '.join(words[:-1])} or {words[-1]}, "
+                         f"got {value!r}")
+    raise ValueError(f"{name} must be a boolean, got {value!r}")
+
+
+def check_option(declared: Option, value: Any, high: float | None = None,
+                 why: str = "") -> None:
+    """ValueError naming the option unless `value` is of its type and inside its declared
+    limits; `high` (with `why`, said after the range) replaces the upper bound where the
+    request decides it. A None value passes where the option's default is None."""
+    if value is None and declared.default is None:
+        return
+    name = declared.name
+    if declared.type is bool:
+        _boolean(name, value, declared.extra_values)
+    elif declared.type is int:
+        _integer(name, value, declared.low, high if high is not None else declared.high, why)
+    else:  # float, declared with both bounds (which NaN and infinities are outside)
+        low, top = declared.low, declared.high
+        inside = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            (low < value if declared.low_open else low <= value) and value <= top)
+        if not inside:  # one message for a value of another type and one out of range
+            raise ValueError(f"{name} must be {declared.limits_text}{declared.off_note}, "
+                             f"got {value!r}")
+
+
+@_option_fields
 class DecodingOptions:
     """How to search. Defaults give greedy decoding up to 256 new tokens (or the model's limit).
+
+    Its first fields are the options a request sets, tfserve.option_table.OPTIONS, each
+    with its declared type and default; the fields declared below follow them.
 
     max_new_tokens None means min(256, the model's target positions - 1, less an input
     prefix), set by validate().
@@ -64,38 +136,19 @@ class DecodingOptions:
     tokens, eos before min_new_tokens, repeated n-grams) never renormalise.
     """
 
-    max_new_tokens: int | None = None
-    min_new_tokens: int = 0
-    num_beams: int = 1
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False  # True, False or "never" (see above)
-    num_return_sequences: int = 1
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0  # 0: no top-k filter
-    top_p: float = 1.0  # 1.0: no nucleus filter
-    seed: int | None = None
     prefix_token_ids: tuple[int, ...] = ()
     prefix_counts_as_new: bool = False
-    repetition_penalty: float = 1.0  # 1.0: off
-    no_repeat_ngram_size: int = 0  # 0: off
     forced_eos: bool = False
     decoder_start_token_id: int | None = None  # None: the model's
 
-    MAX_BEAMS = 16
-    # beyond these the scores over- or underflow (length ** length_penalty) or the tempered
-    # distribution is all one token or all noise; common settings sit well inside
-    MAX_ABS_LENGTH_PENALTY = 10.0
-    MIN_TEMPERATURE = 1e-4
-    MAX_TEMPERATURE = 100.0
-    # a penalty of 10 already makes any repeat all but impossible (or, near 0, certain);
-    # n-grams longer than 64 tokens do not repeat in a translation, and the size bounds the
-    # work of every step
-    MAX_REPETITION_PENALTY = 10.0
-    # symmetric: below 1/10 a repeat is all but certain, and a penalty near 0 (5e-324)
-    # divides a logit past float32's range, which makes the step's scores NaN
-    MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY
-    MAX_NO_REPEAT_NGRAM_SIZE = 64
+    # the declared limits (tfserve.option_table), by their DecodingOptions names
+    MAX_BEAMS = option_table.MAX_BEAMS
+    MAX_ABS_LENGTH_PENALTY = option_table.MAX_ABS_LENGTH_PENALTY
+    MIN_TEMPERATURE = option_table.MIN_TEMPERATURE
+    MAX_TEMPERATURE = option_table.MAX_TEMPERATURE
+    MAX_REPETITION_PENALTY = option_table.MAX_REPETITION_PENALTY
+    MIN_REPETITION_PENALTY = option_table.MIN_REPETITION_PENALTY
+    MAX_NO_REPEAT_NGRAM_SIZE = option_table.MAX_NO_REPEAT_NGRAM_SIZE
 
     def validate(self, max_new_tokens_limit: int | None = None, *,
                  vocab_size: int | None = None, eos_token_id: int | None = None
@@ -131,63 +184,28 @@ class DecodingOptions:
                                        prefix_token_ids=prefix).validate(
                 max_new_tokens_limit, vocab_size=vocab_size, eos_token_id=eos_token_id)
 
-        def integer(name: str, low: int, high: int | None = None, why: str = "") -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-            if value < low or (high is not None and value > high):
-                bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-                raise ValueError(f"{name} must be {bound}{why}, got {value}")
-
-        integer("max_new_tokens", 1, limit,
-                f" (the model's limit less the {input_prefix} tokens of prefix_token_ids)"
-                if input_prefix and limit is not None else "")
+        # the bounds a request decides: the model's limit less an input prefix, and the
+        # beams a search keeps (a sampled request's samples are bounded by the table only)
+        highs = {"max_new_tokens": (limit, f" (the model's limit less the {input_prefix} "
+                                           f"tokens of prefix_token_ids)"
+                                    if input_prefix and limit is not None else ""),
+                 "min_new_tokens": (self.max_new_tokens, "")}
+        for declared in option_table.OPTIONS:
+            high, why = highs.get(declared.name, (None, ""))
+            if declared.name == "num_return_sequences" and not self.do_sample:
+                high = self.num_beams
+            check_option(declared, getattr(self, declared.name), high, why)
         if self.prefix_counts_as_new and self.max_new_tokens < len(prefix):
             raise ValueError(f"max_new_tokens must be >= the {len(prefix)} tokens of "
                              f"prefix_token_ids when prefix_counts_as_new is set, "
                              f"got {self.max_new_tokens}")
-        integer("min_new_tokens", 0, self.max_new_tokens)
-        integer("num_beams", 1, self.MAX_BEAMS)
-        integer("top_k", 0)
-        if self.do_sample:
-            if self.num_beams > 1:
-                raise ValueError("num_beams must be 1 when do_sample is set (no beam sampling)")
-            integer("num_return_sequences", 1, self.MAX_BEAMS)
-        else:
-            integer("num_return_sequences", 1, self.num_beams)
-        if not (isinstance(self.temperature, (int, float)) and not isinstance(
-                self.temperature, bool)
-                and self.MIN_TEMPERATURE <= self.temperature <= self.MAX_TEMPERATURE):
-            raise ValueError(f"temperature must be in [{self.MIN_TEMPERATURE}, "
-                             f"{self.MAX_TEMPERATURE}], got {self.temperature!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        limit = self.MAX_ABS_LENGTH_PENALTY
-        if not (isinstance(self.length_penalty, (int, float))
-                and not isinstance(self.length_penalty, bool)
-                and -limit <= self.length_penalty <= limit):
-            raise ValueError(f"length_penalty must be in [{-limit}, {limit}], "
-                             f"got {self.length_penalty!r}")
-        if self.seed is not None:
-            integer("seed", 0, 2**63 - 1)
-        if not (isinstance(self.repetition_penalty, (int, float))
-                and not isinstance(self.repetition_penalty, bool)
-                and self.MIN_REPETITION_PENALTY <= self.repetition_penalty
-                <= self.MAX_REPETITION_PENALTY):
-            raise ValueError(f"repetition_penalty must be in [{self.MIN_REPETITION_PENALTY}, "
-                             f"{self.MAX_REPETITION_PENALTY}] (1.0: off), got "
-                             f"{self.repetition_penalty!r}")
-        integer("no_repeat_ngram_size", 0, self.MAX_NO_REPEAT_NGRAM_SIZE)
-        if not isinstance(self.forced_eos, (bool, np.bool_)):
-            raise ValueError(f"forced_eos must be a boolean, got {self.forced_eos!r}")
-        if not (isinstance(self.early_stopping, (bool, np.bool_))
-                or self.early_stopping == "never"):
-            raise ValueError(f"early_stopping must be true, false or \"never\", "
-                             f"got {self.early_stopping!r}")
+        if self.do_sample and self.num_beams > 1:
+            raise ValueError("num_beams must be 1 when do_sample is set (no beam sampling)")
+        _boolean("forced_eos", self.forced_eos)
         if self.decoder_start_token_id is not None:
             high = vocab_size - 1 if vocab_size is not None else None
-            integer("decoder_start_token_id", 0, high, " (a token id of the model)"
-                    if high is not None else "")
+            _integer("decoder_start_token_id", self.decoder_start_token_id, 0, high,
+                     " (a token id of the model)" if high is not None else "")
         return self
 
     def _checked_prefix(self, vocab_size: int | None, eos_token_id: int | None
