@@ -3,6 +3,8 @@
     proto/tfserve/v1/translator.proto  ->  tfserve/proto/tfserve/v1/translator_pb2.py
                                            tfserve/proto/tfserve/v1/translator_pb2.pyi
                                            tfserve/proto/tfserve/v1/translator_pb2_grpc.py
+    proto/inference/grpc_service.proto ->  tfserve/proto/inference/grpc_service_pb2.py (.pyi,
+                                           _pb2_grpc.py): the Open Inference Protocol
 
 Building tfserve generates them: pyproject.toml's [tool.setuptools.cmdclass] names `BuildPy`
 and `Sdist` below, so a wheel and an sdist carry the stubs (and the sdist carries proto/ too),
@@ -21,7 +23,12 @@ and `python -m tfserve.proto.build --check` says whether they match the .proto s
 protoc names the package of a generated module after the .proto path (`tfserve.v1`), which
 would collide with this `tfserve` package; the stubs therefore live one level down, under
 `tfserve.proto.tfserve.v1`, and the one import protoc writes into `*_pb2_grpc.py` is
-rewritten to that path.
+rewritten to that path (`inference` likewise becomes `tfserve.proto.inference`).
+
+The `inference` package's messages are the Open Inference Protocol's, which tritonclient and
+kserve also register in protobuf's default descriptor pool (a second registration of a name
+fails the import): its generated `*_pb2.py` modules are rewritten to register them in a pool
+of their own (tfserve/proto/private_pool.py), so that tfserve imports beside either client.
 
 This module is also loaded by setuptools on its own, as a file (not through the `tfserve`
 package): it imports nothing from tfserve.
@@ -39,9 +46,17 @@ import tempfile
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # tfserve/
-OUT_DIR = Path(__file__).resolve().parent  # generated modules go under tfserve/proto/tfserve/v1/
+OUT_DIR = Path(__file__).resolve().parent  # generated modules go under tfserve/proto/<package>/
 STAMP = "SOURCE_SHA256"  # digest of the .proto sources the stubs were generated from
-STUB_FILES = ("translator_pb2.py", "translator_pb2.pyi", "translator_pb2_grpc.py")
+# the generated packages (proto/'s top-level folders) and the modules each must hold
+STUB_FILES = {
+    "tfserve/v1": ("translator_pb2.py", "translator_pb2.pyi", "translator_pb2_grpc.py"),
+    "inference": ("grpc_service_pb2.py", "grpc_service_pb2.pyi", "grpc_service_pb2_grpc.py"),
+}
+GENERATED = ("tfserve", "inference")
+# packages whose messages go to tfserve's own descriptor pool, not protobuf's default one
+PRIVATE_POOL_PACKAGES = ("inference",)
+PRIVATE_POOL = "tfserve.proto.private_pool"
 
 
 def checkout_proto_root(project_dir: Path = PACKAGE_DIR.parent) -> Path | None:
@@ -85,7 +100,8 @@ def stamp_path(out_dir: Path = OUT_DIR) -> Path:
 
 def stubs_present(out_dir: Path = OUT_DIR) -> bool:
     """True when every generated module is there (what an installed tfserve ships)."""
-    return all((out_dir / "tfserve" / "v1" / name).is_file() for name in STUB_FILES)
+    return all((out_dir / folder / name).is_file()
+               for folder, names in STUB_FILES.items() for name in names)
 
 
 def is_stale(root: Path | None = None, out_dir: Path = OUT_DIR) -> bool:
@@ -141,6 +157,8 @@ def build(root: Path | None = None, out_dir: Path = OUT_DIR) -> list[Path]:
             relative = path.relative_to(tmp)
             if path.name.endswith("_pb2_grpc.py"):
                 path.write_text(_fix_imports(path.read_text(), sources, root))
+            elif path.name.endswith("_pb2.py") and relative.parts[0] in PRIVATE_POOL_PACKAGES:
+                path.write_text(_private_pool(path.read_text(), path.name))
             target = out_dir / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(path, target)
@@ -162,9 +180,26 @@ def _fix_imports(text: str, sources: list[Path], root: Path) -> str:
     return text
 
 
+_POOL_IMPORT = "from google.protobuf import descriptor_pool as _descriptor_pool\n"
+_DEFAULT_POOL = "_descriptor_pool.Default().AddSerializedFile("
+
+
+def _private_pool(text: str, name: str) -> str:
+    """A generated `*_pb2.py` that registers its file in PRIVATE_POOL's pool instead of
+    protobuf's default one."""
+    if text.count(_DEFAULT_POOL) != 1 or text.count(_POOL_IMPORT) != 1:
+        raise RuntimeError(f"{name}: protoc's output does not register its file once in the "
+                           "default descriptor pool; the private-pool rewrite needs updating")
+    module, _, attribute = PRIVATE_POOL.rpartition(".")
+    text = text.replace(_POOL_IMPORT,
+                        f"{_POOL_IMPORT}from {module} import {attribute} as _private_pool\n")
+    return text.replace(_DEFAULT_POOL, "_private_pool.POOL.AddSerializedFile(")
+
+
 def clean(out_dir: Path = OUT_DIR) -> None:
-    """Remove the generated tree (tfserve/proto/tfserve/)."""
-    shutil.rmtree(out_dir / "tfserve", ignore_errors=True)
+    """Remove the generated trees (tfserve/proto/tfserve/, tfserve/proto/inference/)."""
+    for package in GENERATED:
+        shutil.rmtree(out_dir / package, ignore_errors=True)
 
 
 # -- runtime versions the stubs need ----------------------------------------------------------
@@ -196,11 +231,12 @@ def needed_runtime(out_dir: Path = OUT_DIR) -> dict[str, tuple[int, ...]]:
     """{'grpcio': (1, 85, 1), 'protobuf': (7, 35, 1)}: the oldest runtimes the generated
     modules under out_dir accept (an entry is absent when its module has no such check)."""
     needed: dict[str, tuple[int, ...]] = {}
-    for path in (out_dir / "tfserve").rglob("*_pb2_grpc.py"):
+    generated = [path for package in GENERATED for path in (out_dir / package).rglob("*.py")]
+    for path in (p for p in generated if p.name.endswith("_pb2_grpc.py")):
         match = _GRPC_GENERATED.search(path.read_text())
         if match:
             needed["grpcio"] = max(needed.get("grpcio", ()), _version(match.group(1)))
-    for path in (out_dir / "tfserve").rglob("*_pb2.py"):
+    for path in (p for p in generated if p.name.endswith("_pb2.py")):
         text = path.read_text()
         found = _PROTOBUF_GENERATED.search(text) or _PROTOBUF_HEADER.search(text)
         if found:
