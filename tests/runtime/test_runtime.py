@@ -199,6 +199,25 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy() -> None:
     assert [r[0].token_ids for r in greedy] == [r[0].token_ids for r in top1]
 
 
+@pytest.mark.parametrize("top_p, temperature", [(1.0, 1.0), (0.7, 1.4)])
+def test_top_k_sampling_from_the_graphs_candidates_equals_whole_rows(
+        top_p: float, temperature: float) -> None:
+    """Top-k sampling decides from the graph's top candidates (no logits row fetched), and
+    draws the same samples as from whole rows with the same seed."""
+    runtime = Runtime(artifacts("rope", "pre"))
+    _, (ids, mask) = mixed_batch(runtime, [5, 8, 3, 6])
+    options = DecodingOptions(max_new_tokens=12, do_sample=True, seed=77, top_k=10,
+                              top_p=top_p, temperature=temperature, num_return_sequences=2)
+    asked: list[bool] = []  # need_logits of each step
+    step = runtime.step
+    runtime.step = lambda *args, **kwargs: (  # type: ignore[method-assign]
+        asked.append(kwargs.get("need_logits", True)) or step(*args, **kwargs))
+    candidates = generate(runtime, ids, mask, options)
+    assert asked and not any(asked)
+    rows = generate(runtime, ids, mask, options, use_top_candidates=False)
+    assert_same(candidates, rows, "candidates vs whole rows", atol=1e-5)
+
+
 def test_top_p_filters_as_specified() -> None:
     probs = np.array([[0.5, 0.3, 0.15, 0.05]])
     logits = np.log(probs)

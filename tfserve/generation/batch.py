@@ -612,10 +612,12 @@ def generate(
     input_ids: np.ndarray,
     attention_mask: np.ndarray,
     options: DecodingOptions | Sequence[DecodingOptions],
+    use_top_candidates: bool = True,
 ) -> list[list[Hypothesis]]:
     """Translate a batch of encoded sources; one ranked hypothesis list per source.
 
-    `options` may be one DecodingOptions for all sources or one per source.
+    `options` may be one DecodingOptions for all sources or one per source;
+    use_top_candidates False: every step takes whole logits rows (DecodeBatch's reference).
     """
     count = input_ids.shape[0]
     per_source = [options] * count if isinstance(options, DecodingOptions) else list(options)
@@ -625,7 +627,7 @@ def generate(
     per_source = [opts.validate(max_new_tokens_limit=limit, vocab_size=backend.vocab_size,
                                 eos_token_id=backend.eos_token_id) for opts in per_source]
     _, cross = backend.encode(input_ids, attention_mask)
-    batch = DecodeBatch(backend)
+    batch = DecodeBatch(backend, use_top_candidates=use_top_candidates)
     searches = [
         make_search(opts, backend.eos_token_id, backend.decoder_start_token_id)
         for opts in per_source

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from tfserve.generation.kernels import filter_logits, log_softmax
@@ -31,6 +33,14 @@ class SamplingSearch(Search):
     def histories(self) -> np.ndarray:
         return np.array([[self.start, *sample] for sample in self.samples], np.int64)
 
+    def top_needed(self) -> int:
+        """Top-k sampling (0 < top_k) draws among the k most likely tokens, so the k best
+        per row (eos and banned ids beside them) decide it as the whole row would: the
+        temperature and top-p act on those k alone. Without top-k every token may be drawn."""
+        if self.forcing or self.ending:
+            return 1
+        return self.needs(self.options.top_k) if self.options.top_k > 0 else 0
+
     def advance(self, logits: np.ndarray, lse: np.ndarray,
                 best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         if self.ending:
@@ -43,6 +53,39 @@ class SamplingSearch(Search):
         if self.controls is not None:
             history = self.histories()  # [rows,L]
             logits = self.controls.apply(logits, history)
+
+        def log_prob(parent: int, column: int) -> float:
+            value = model_logits[parent, column] - lse[parent]
+            if history is not None:
+                value = self.controls.log_probs(  # type: ignore[union-attr]
+                    np.array([value]), np.array([column]), history[parent : parent + 1])[0]
+            return float(value)
+
+        return self._draw(logits, None, log_prob)
+
+    def advance_candidates(self, ids: np.ndarray, log_probs: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray]:
+        """`advance` from each row's best tokens (top_needed: top_k of them, besides eos and
+        the banned ids): ids [rows,K], log_probs [rows,K] (banned -inf). The draw runs over
+        the candidates in token id order, as `advance`'s runs over a whole row, and takes the
+        same uniform, so a seed gives the same samples either way."""
+        if self.ending:
+            return self._end()
+        if self.forcing:
+            return self._force()
+        if self.generated < self.options.min_new_tokens:
+            log_probs = np.where(ids == self.eos, -np.inf, log_probs)
+        order = np.argsort(ids, axis=1, kind="stable")  # [rows,K]: increasing token ids
+        ids = np.take_along_axis(ids, order, axis=1)
+        log_probs = np.take_along_axis(log_probs, order, axis=1)
+        return self._draw(log_probs, ids, lambda parent, column: float(log_probs[parent, column]))
+
+    def _draw(self, logits: np.ndarray, ids: np.ndarray | None,
+              log_prob: Callable[[int, int], float]) -> tuple[np.ndarray, np.ndarray]:
+        """One token per sample from `logits` [rows,C] (a whole row of the vocabulary, or
+        the candidates `ids` [rows,C] in increasing id order; a log-softmax shift changes
+        nothing here) after temperature, top-k and top-p; log_prob(parent, column) is the
+        score the drawn token adds."""
         if not self.fanned_out:  # fan the single start row out to the samples
             count = self.options.num_return_sequences
             parents = np.zeros(count, np.int64)
@@ -58,15 +101,12 @@ class SamplingSearch(Search):
         for slot, parent in enumerate(parents):
             # inverse-CDF draw: one uniform per row keeps the stream reproducible
             cdf = np.cumsum(probs[slot], dtype=np.float64)
-            token = int(min(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"),
-                            len(cdf) - 1))
-            while probs[slot, token] == 0.0:  # never land on a filtered-out token
-                token -= 1
-            log_prob = model_logits[parent, token] - lse[parent]
-            if history is not None:
-                log_prob = self.controls.log_probs(  # type: ignore[union-attr]
-                    np.array([log_prob]), np.array([token]), history[parent : parent + 1])[0]
-            score = self.scores[slot] + float(log_prob)
+            column = int(min(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"),
+                             len(cdf) - 1))
+            while probs[slot, column] == 0.0:  # never land on a filtered-out token
+                column -= 1
+            token = column if ids is None else int(ids[parent, column])
+            score = self.scores[slot] + log_prob(int(parent), column)
             tokens = self.samples[slot]
             if token == self.eos:
                 self.finished.append(Hypothesis(list(tokens), score))
