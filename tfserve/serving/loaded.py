@@ -40,7 +40,8 @@ class RuntimeLoader:
 
         return Runtime(entry.path, device=self.config.device,
                        intra_op_threads=self.config.threads,
-                       pack_weights=self.config.pack_weights)
+                       pack_weights=self.config.pack_weights,
+                       kv_cache=self.config.kv_cache)
 
 
 def runtime_loader(config: ServerConfig) -> Loader:

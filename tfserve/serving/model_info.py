@@ -99,6 +99,8 @@ def describe_model(manifest: Manifest, tokenizer: Tokenizer, describe: dict[str,
         version=version,
         languages=model_languages(tokenizer),
         generation_defaults=generation_defaults(recorded, defaults, tokenizer),
+        kv_cache=describe.get("kv_cache", "") if generates else "",
+        packed_weights=bool(describe.get("pack_weights", False)),
     )
 
 

@@ -114,6 +114,10 @@ SERVER_SETTINGS: tuple[Setting, ...] = (
     Setting("pack_weights", bool, True, "on CPU, let ONNX Runtime pre-pack the output "
             "projection's weight where it is the tied token table (its fastest kernel; one "
             "more copy of the table in memory); false keeps one copy, for slower decoder steps"),
+    Setting("kv_cache", str, "auto", "how the decoder's KV cache is kept: static "
+            "(preallocated per batch bucket, written in place each step), dynamic (one column "
+            "longer each step), or auto (the device's choice: dynamic on CPU, where it is "
+            "faster)"),
     Setting("workers", int, 1, "server processes sharing --port and --http-port, each with its "
             "own model copy, batch and interpreter lock; the kernel spreads client connections "
             "over them; --metrics-port serves all their metrics (label worker), worker i its "
@@ -248,6 +252,11 @@ class ServerConfig:
                                  "give one")
             # the token itself from here on; the file is not read again (a second validate())
             self.auth_token, self.auth_token_file = _read_token(Path(self.auth_token_file)), None
+        from tfserve.runtime.sessions import KV_CACHES
+
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"--kv-cache must be one of {', '.join(KV_CACHES)}, "
+                             f"got {self.kv_cache!r}")
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"--event-loop must be one of {', '.join(EVENT_LOOPS)}, "
                              f"got {self.event_loop!r}")
