@@ -13,8 +13,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from google.protobuf import json_format
-from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.descriptor_pb2 import FieldDescriptorProto
 
+from tfserve import option_table
 from tfserve.generation import Hypothesis
 from tfserve.proto import load as load_stubs
 from tfserve.serving.repository import ModelStatus
@@ -30,31 +32,53 @@ Decode = Callable[[list[int]], str]  # token ids -> text (the tokenizer's decode
 # -- requests -------------------------------------------------------------------------------
 
 
+# the proto field types that carry each type of decoding option
+_WIRE_TYPES = {
+    int: (FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_SINT32,
+          FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64),
+    float: (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT),
+    bool: (FieldDescriptor.TYPE_BOOL,),
+}
+
+
+def check_options(options: Sequence[option_table.Option] | None = None,
+                  descriptor: Descriptor = pb2.DecodingOptions.DESCRIPTOR) -> None:
+    """ValueError unless each declared decoding option (tfserve.option_table) is the field of
+    its name in the proto's DecodingOptions, a single value of its type, and each field of
+    that message is declared; the message names the option or field."""
+    options = option_table.OPTIONS if options is None else options
+    for declared in options:
+        found = descriptor.fields_by_name.get(declared.name)
+        where = f"{descriptor.full_name}.{declared.name}"
+        if found is None:
+            raise ValueError(f"decoding option {declared.name}: there is no field {where} "
+                             "(proto/tfserve/v1/translator.proto; regenerate the stubs after "
+                             "adding it)")
+        if found.is_repeated or found.type not in _WIRE_TYPES[declared.type]:
+            kind = FieldDescriptorProto.Type.Name(found.type).removeprefix("TYPE_").lower()
+            raise ValueError(f"decoding option {declared.name} is a {declared.type.__name__}, "
+                             f"but {where} is {'a repeated ' if found.is_repeated else 'a '}"
+                             f"{kind}")
+    names = {declared.name for declared in options}
+    undeclared = [found.name for found in descriptor.fields if found.name not in names]
+    if undeclared:
+        raise ValueError(f"{descriptor.full_name} field(s) {', '.join(undeclared)} not declared "
+                         "in tfserve.option_table")
+
+
+check_options()  # a table the wire does not carry stops the server at its start
+
+
 def option_fields(message: Any) -> OptionFields:
-    """proto DecodingOptions -> OptionFields: a field at 0 (false), or an `optional` one
-    left unset, is not given (None)."""
-
-    def optional(name: str) -> Any:
-        return getattr(message, name) if message.HasField(name) else None
-
-    def nonzero(name: str) -> Any:
-        return getattr(message, name) or None
-
-    return OptionFields(
-        max_new_tokens=nonzero("max_new_tokens"),
-        min_new_tokens=optional("min_new_tokens"),
-        num_beams=nonzero("num_beams"),
-        length_penalty=optional("length_penalty"),
-        early_stopping=optional("early_stopping"),
-        num_return_sequences=nonzero("num_return_sequences"),
-        do_sample=nonzero("do_sample"),
-        temperature=optional("temperature"),
-        top_k=nonzero("top_k"),
-        top_p=optional("top_p"),
-        seed=optional("seed"),
-        repetition_penalty=optional("repetition_penalty"),
-        no_repeat_ngram_size=optional("no_repeat_ngram_size"),
-    )
+    """proto DecodingOptions -> OptionFields, each declared option from the field of its
+    name: a field at 0 (false), or an `optional` one left unset, is not given (None)."""
+    values = {}
+    for name in option_table.names():
+        if message.DESCRIPTOR.fields_by_name[name].has_presence:
+            values[name] = getattr(message, name) if message.HasField(name) else None
+        else:
+            values[name] = getattr(message, name) or None
+    return OptionFields(**values)
 
 
 def translate_input(request: Any) -> TranslateInput:

@@ -20,7 +20,7 @@ from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from tfserve.generation import DecodingOptions
+from tfserve import option_table
 from tfserve.serving.messages import pb2
 from tfserve.serving.requests import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 from tfserve.serving.settings import ServerConfig
@@ -120,8 +120,6 @@ def input_limits(config: ServerConfig) -> dict[str, dict[str, Any]]:
     (keywords added to a field's schema; `items` to a repeated field's items) and keywords
     of the message's own (which fields it requires). Every limit here holds for every model
     of a server with `config`, and comes from where its check declares it."""
-    rows = min(DecodingOptions.MAX_BEAMS, config.max_batch_size)  # per input (beams, sequences)
-    penalty = DecodingOptions.MAX_ABS_LENGTH_PENALTY
     text = {"pattern": r"\S"}  # not blank
     texts = {"maxItems": config.max_texts_per_request, "items": text}
     return {
@@ -145,23 +143,45 @@ def input_limits(config: ServerConfig) -> dict[str, dict[str, Any]]:
         },
         "TokenIds": {"properties": {"ids": {"minItems": 1, "items": {
             "type": "integer", "minimum": 0, "format": "int64"}}}, "required": ["ids"]},
-        "DecodingOptions": {"properties": {  # 0 (or left out): the model's default
-            "maxNewTokens": {"minimum": 0},
-            "minNewTokens": {"minimum": 0},
-            "numBeams": {"minimum": 0, "maximum": rows},
-            "numReturnSequences": {"minimum": 0, "maximum": rows},
-            "lengthPenalty": {"minimum": -penalty, "maximum": penalty},
-            "temperature": {"minimum": DecodingOptions.MIN_TEMPERATURE,
-                            "maximum": DecodingOptions.MAX_TEMPERATURE},
-            "topK": {"minimum": 0},
-            "topP": {"minimum": 0, "exclusiveMinimum": True, "maximum": 1},
-            "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
-            "repetitionPenalty": {"minimum": DecodingOptions.MIN_REPETITION_PENALTY,
-                                  "maximum": DecodingOptions.MAX_REPETITION_PENALTY},
-            "noRepeatNgramSize": {"minimum": 0,
-                                  "maximum": DecodingOptions.MAX_NO_REPEAT_NGRAM_SIZE},
-        }},
+        "DecodingOptions": {"properties": option_schemas(config)},
     }
+
+
+_INT64 = (FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_UINT64)
+
+
+def option_schemas(config: ServerConfig) -> dict[str, dict[str, Any]]:
+    """The keywords each declared decoding option (tfserve.option_table) adds to its
+    field's schema, by JSON name: its limits (0 is allowed too where it means "the default":
+    a field without presence), bounded by --max-batch-size too for a count of batch rows;
+    its label (title) and help with range and default (description); and for the
+    playground, which builds its controls from them: x-tfserve-searches (the searches that
+    read it), x-tfserve-default (the value the server takes where neither the request nor
+    the model sets one: not JSON schema's `default`, which would be the value of every
+    request that leaves it out) and x-tfserve-example (a typical value)."""
+    descriptor = pb2.DecodingOptions.DESCRIPTOR
+    schemas: dict[str, dict[str, Any]] = {}
+    for declared in option_table.OPTIONS:
+        found = descriptor.fields_by_name[declared.name]
+        schema: dict[str, Any] = {"title": declared.label,
+                                  "description": declared.description,
+                                  "x-tfserve-searches": list(declared.searches)}
+        for keyword, value in (("x-tfserve-default", declared.default),
+                               ("x-tfserve-example", declared.example)):
+            if value is not None:
+                schema[keyword] = value
+        if declared.low is not None:
+            zero_is_default = not found.has_presence and declared.low > 0
+            schema["minimum"] = 0 if zero_is_default else declared.low
+            if declared.low_open and not zero_is_default:
+                schema["exclusiveMinimum"] = True
+            if found.type in _INT64:  # bounds a number, not the mapping's string
+                schema["type"] = "integer"
+        if declared.high is not None:
+            schema["maximum"] = (min(declared.high, config.max_batch_size)
+                                 if declared.batch_rows else declared.high)
+        schemas[found.json_name] = schema
+    return schemas
 
 
 def message_schemas(names: Iterable[str],

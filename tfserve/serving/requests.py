@@ -13,9 +13,10 @@ import asyncio
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import TYPE_CHECKING, Any
 
+from tfserve import option_table
 from tfserve.artifacts.generation_defaults import GenerationDefaults
 from tfserve.generation import DecodingOptions
 from tfserve.scheduler import Job, Scheduler, StreamEvent
@@ -63,30 +64,22 @@ def field_errors(prefix: str = "") -> Iterator[None]:
         raise InvalidArgument(f"{prefix}{exc}") from exc
 
 
-@dataclass(frozen=True)
-class OptionFields:
-    """A request's decoding options as sent: None means "not given" (a proto field at 0, or
-    an `optional` one left unset), and the model's generation default, else the server's,
-    applies."""
+def _given(self: Any) -> dict[str, Any]:
+    """The DecodingOptions fields the request sets (tfserve.text.translation_inputs'
+    `given`: the others take the defaults)."""
+    return {name: value for name, value in self.__dict__.items() if value is not None}
 
-    max_new_tokens: int | None = None
-    min_new_tokens: int | None = None
-    num_beams: int | None = None
-    length_penalty: float | None = None
-    early_stopping: bool | None = None
-    num_return_sequences: int | None = None
-    do_sample: bool | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    repetition_penalty: float | None = None
-    no_repeat_ngram_size: int | None = None
 
-    def given(self) -> dict[str, Any]:
-        """The DecodingOptions fields the request sets (tfserve.text.translation_inputs'
-        `given`: the others take the defaults)."""
-        return {name: value for name, value in self.__dict__.items() if value is not None}
+# a frozen dataclass with a field per declared decoding option (tfserve.option_table), each
+# None by default, and given()
+OptionFields = make_dataclass(
+    "OptionFields", [(declared.name, declared.annotation | None, None)
+                     for declared in option_table.OPTIONS],
+    frozen=True, namespace={"given": _given})
+OptionFields.__module__ = __name__
+OptionFields.__doc__ = """A request's decoding options as sent, one field per option of
+tfserve.option_table: None means "not given" (a proto field at 0, or an `optional` one left
+unset), and the model's generation default, else the server's, applies."""
 
 
 @dataclass(frozen=True)
