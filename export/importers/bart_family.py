@@ -378,7 +378,7 @@ def hf_json_spec(directory: Path, config: dict[str, Any], family: Family,
     the special ids checked, and the loaded `tokenizers.Tokenizer`."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from tfserve.text.tokenizer import load_hf_json
+    from tfserve.text.tokenizers.hf_json import load_hf_json
 
     built = None
     try:

@@ -11,7 +11,8 @@ tokenizers differ (tokenizer_config.json's tokenizer_class tells them apart):
   `[src_lang] text </s>` (with `legacy_behaviour: true` in tokenizer_config.json, after:
   `text </s> [src_lang]`). Codes such as `fra_Latn` are the tokenizer's special tokens.
 - M2M100 (M2M100Tokenizer): sentencepiece.bpe.model + vocab.json (no tokenizer.json),
-  mapped as transformers maps them (tokenizer kind "spm-vocab", tfserve.text.spm_vocab);
+  mapped as transformers maps them (tokenizer kind "spm-vocab",
+  tfserve.text.tokenizers.spm_vocab);
   `__en__ text </s>`. The codes (`fr`, token `__fr__`) sit after vocab.json's ids, in the
   order of the list `language_codes` names ("m2m100": 100 languages, "wmt21": 8).
 """
@@ -34,8 +35,8 @@ from export.importers.bart_family import (
 from export.importers.hf_files import read_json
 from export.sources import Source, SourceError
 from tfserve.text.languages import LanguageConventions
-from tfserve.text.spm_vocab import AddedToken
 from tfserve.text.tokenizer import TokenizerSpec
+from tfserve.text.tokenizers.spm_vocab import AddedToken
 
 NLLB_CODE = re.compile(r"^[a-z]{3}_[A-Z][a-z]{3}$")  # fra_Latn, zho_Hans
 SPM_FILE = "sentencepiece.bpe.model"

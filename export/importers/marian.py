@@ -19,8 +19,9 @@ with target.spm and turns every word-boundary mark left (pieces target.spm does 
 copied verbatim) into a space (transformers 5 joins with source.spm when the vocabulary is
 shared: the same text,
 tests/export/test_marian.py::test_decoding_random_ids_matches_marian_tokenizer).
-That is `tfserve.text.tokenizer.Tokenizer` in vocab mode, so the artifacts carry the three files
-and a `TokenizerSpec` naming them. (What MarianTokenizer does beyond that, a leading `>>xx<<`
+That is the "sentencepiece" tokenizer kind in vocab mode
+(`tfserve.text.tokenizers.sentencepiece`), so the artifacts carry the three files and a
+`TokenizerSpec` naming them. (What MarianTokenizer does beyond that, a leading `>>xx<<`
 language code and special-token strings inside the text, is listed in tests/export/test_marian.py.)
 
 Only JSON, safetensors and `torch.load(weights_only=True)` are used: nothing is unpickled

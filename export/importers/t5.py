@@ -64,6 +64,7 @@ from tfserve.artifacts.model_config import ConfigError, ModelConfig
 from tfserve.model import Seq2SeqTransformer
 from tfserve.model.transformer import KEEP_IN_FP32
 from tfserve.text.tokenizer import Tokenizer, TokenizerError, TokenizerSpec
+from tfserve.text.tokenizers.hf_json import HFJsonTokenizer
 
 KIND = "hf-t5"
 CONFIG_FILE = "config.json"
@@ -282,12 +283,12 @@ def tokenizer_spec(directory: Path, config: dict[str, Any], model_type: str) -> 
                                                    decoder_start_token_id=0))
     except TokenizerError as exc:
         raise SourceError(str(exc)) from exc
-    assert probe.hf is not None
+    assert isinstance(probe, HFJsonTokenizer)
     pieces = {}
     for key, default in (("unk", "<unk>"), ("eos", "</s>"), ("pad", "<pad>")):
         token = tokenizer_config.get(f"{key}_token", default)
         token = token.get("content", default) if isinstance(token, dict) else token
-        token_id = probe.hf.tokenizer.token_to_id(token) if isinstance(token, str) else None
+        token_id = probe.hf_tokenizer.token_to_id(token) if isinstance(token, str) else None
         if token_id is None:
             raise SourceError(f"{directory / spec.source} has no {key} token {token!r}")
         pieces[key] = token_id
@@ -301,8 +302,8 @@ def tokenizer_spec(directory: Path, config: dict[str, Any], model_type: str) -> 
 
 def language_tokens(tokenizer: Tokenizer) -> list[str]:
     """MADLAD-400's target-language tokens (<2xx>) among the tokenizer's pieces."""
-    assert tokenizer.hf is not None
-    vocab = tokenizer.hf.tokenizer.get_vocab(with_added_tokens=True)
+    assert isinstance(tokenizer, HFJsonTokenizer)
+    vocab = tokenizer.hf_tokenizer.get_vocab(with_added_tokens=True)
     return sorted(piece for piece in vocab if LANGUAGE_TOKEN.match(piece))
 
 

@@ -1,4 +1,5 @@
-"""Tokenizer: eos, round trips, padding, unknown characters, special tokens, vocab mode.
+"""Tokenizer: eos, round trips, padding, unknown characters, special tokens, vocab mode, the
+registry of kinds.
 
 The tests run against a tiny SentencePiece model trained in the session (always) and against
 the demo checkpoint's tokenizer when tfserve/demo/checkpoint/tokenizer.json exists.
@@ -13,7 +14,17 @@ import numpy as np
 import pytest
 
 from tfserve.demo.data import english, french
-from tfserve.text.tokenizer import Tokenizer, TokenizerError, TokenizerSpec
+from tfserve.text.tokenizer import (
+    KINDS,
+    TOKENIZER_KINDS,
+    Tokenizer,
+    TokenizerError,
+    TokenizerSpec,
+)
+from tfserve.text.tokenizers.sentencepiece import (
+    SentencePieceTokenizer,
+    SentencePieceVocabTokenizer,
+)
 
 DEMO_DIR = Path(__file__).resolve().parents[2] / "tfserve" / "demo" / "checkpoint"
 DEMO_SPEC = DEMO_DIR / "tokenizer.json"
@@ -194,3 +205,30 @@ def test_spec_round_trip_and_unknown_field() -> None:
     assert spec.files() == ["a.spm", "b.spm", "v.json"]
     with pytest.raises(TokenizerError, match="bos_token_id"):
         TokenizerSpec.from_dict({"source": "a.spm", "bos_token_id": 3})
+
+
+# -- kinds ---------------------------------------------------------------------------------------
+
+
+def test_every_registered_kind_is_a_tokenizer_class() -> None:
+    for kind, entry in TOKENIZER_KINDS.items():
+        cls = entry.load()
+        assert entry.kind == kind and issubclass(cls, Tokenizer) and cls is not Tokenizer, kind
+    assert KINDS == tuple(TOKENIZER_KINDS)
+
+
+def test_construction_builds_the_class_of_the_kind_and_mode(tiny_spm_dir: Path) -> None:
+    native = _tiny(tiny_spm_dir)
+    assert type(native) is SentencePieceTokenizer
+    _write_vocab(tiny_spm_dir, native, set())
+    vocab = Tokenizer(tiny_spm_dir, TokenizerSpec(source="source.spm", vocab="vocab.json"))
+    assert type(vocab) is SentencePieceVocabTokenizer and isinstance(vocab, Tokenizer)
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "", None, "SentencePiece"])
+def test_unknown_kind_names_the_field_and_the_known_kinds(tiny_spm_dir: Path, kind) -> None:
+    message = r"tokenizer\.kind must be one of sentencepiece, hf-json, t5-spiece, spm-vocab"
+    with pytest.raises(TokenizerError, match=message):
+        TokenizerSpec.from_dict({"source": "source.spm", "kind": kind})
+    with pytest.raises(TokenizerError, match=message):
+        Tokenizer(tiny_spm_dir, TokenizerSpec(source="source.spm", kind=kind))

@@ -1,3 +1,4 @@
-"""Text in and out: tokenizers and vocabularies (`tokenizer`, `spm_vocab`), the language codes
-of multilingual models (`languages`), and a request's texts, languages, prefixes and options
-checked and turned into source ids and decoding options (`inputs`, `translation_inputs`)."""
+"""Text in and out: the tokenizer protocol and its spec (`tokenizer`), one tokenizer class per
+kind of files (`tokenizers`), the language codes of multilingual models (`languages`), and a
+request's texts, languages, prefixes and options checked and turned into source ids and
+decoding options (`inputs`, `translation_inputs`)."""

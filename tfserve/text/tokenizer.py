@@ -1,53 +1,91 @@
-"""Text <-> token ids, in the modes the artifacts name (`TokenizerSpec.kind`).
+"""Text <-> token ids: the `Tokenizer` every kind of tokenizer files implements, the spec that
+names the files in model.json (`TokenizerSpec`), and the registry of kinds.
 
-- "sentencepiece", the SentencePiece modes with the special-token conventions of
-  Marian-style translators:
-  - native: one SentencePiece model (or one per side) whose piece ids are the model's ids;
-  - vocab: SentencePiece only splits text into pieces, and a vocab.json maps pieces to the
-    model's ids (Marian: source.spm / target.spm + one shared vocab.json); pieces missing
-    from the vocab become unk.
-  Source sequences end with eos (appended here).
-- "hf-json": a Hugging Face `tokenizer.json` run by the `tokenizers` library (what
-  transformers' fast tokenizers run): its normalizer, pre-tokenizer and model split the text,
-  its special tokens (added tokens marked special) are matched in the text as transformers
-  does, and its post-processor adds what the model expects around a source (T5: `</s>`).
+A kind (`TokenizerSpec.kind`) is one class under `tfserve.text.tokenizers`, registered in
+`TOKENIZER_KINDS`:
+- "sentencepiece": SentencePiece models with the special-token conventions of Marian-style
+  translators, native (piece ids are the model's ids) or vocab mode (a vocab.json maps the
+  pieces to the model's ids: Marian's source.spm / target.spm + one shared vocab.json);
+- "hf-json": a Hugging Face `tokenizer.json` run by the `tokenizers` library, as
+  transformers' fast tokenizers run it;
 - "t5-spiece": a T5 `spiece.model` without a tokenizer.json, mapped as transformers'
-  T5Tokenizer maps it: the SentencePiece pieces and scores as a Unigram model, `extra_ids`
-  sentinels `<extra_id_N>` on top of the vocabulary (`<extra_id_0>` last), `</s>` appended,
-  no bos; run by `tokenizers` like "hf-json".
+  T5Tokenizer maps it, then run like "hf-json";
 - "spm-vocab": M2M100's SentencePiece model + vocab.json with added tokens matched in the
-  text, as transformers' M2M100Tokenizer does (`tfserve.text.spm_vocab`).
+  text, as transformers' M2M100Tokenizer does.
+
+`Tokenizer(directory, spec)` builds the class registered for `spec.kind`; the kind's class
+loads its files and says how one text becomes its own ids and ids become text. Framing,
+special ids, language tokens, padding and length limits are the same for every kind and
+live here.
 
 Multilingual models (`TokenizerSpec.languages`, `tfserve.text.languages`) put a source language
 token around the text: `encode(text, source_language)` tokenizes the text alone (a
 tokenizer.json's own post-processor holds the language it was saved with) and frames it
 with the request's language token and eos, where the family puts them.
 
-Decoding drops special tokens (language tokens included). Imports numpy, sentencepiece and
-(for the tokenizer.json modes) tokenizers only, so it is part of the serving path.
+Decoding drops special tokens (language tokens included). The kinds import numpy,
+sentencepiece and (for the tokenizer.json kinds) tokenizers only, so they are part of the
+serving path. Adding a kind is one module with a Tokenizer subclass and one entry in
+`TOKENIZER_KINDS`; a module is imported only when its kind is asked for.
 """
 
 from __future__ import annotations
 
-import json
+import importlib
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import sentencepiece as spm
 
 from tfserve.text.languages import LanguageConventions, LanguageError
-from tfserve.text.spm_vocab import AddedToken, SpmVocabError, SpmVocabText
 
 WORD_BOUNDARY = "\u2581"  # SentencePiece's word-boundary mark '▁', a space in decoded text
-KINDS = ("sentencepiece", "hf-json", "t5-spiece", "spm-vocab")
-FRAME_PROBE = "a"  # a text whose ids show what a tokenizer adds around a text
 
 
 class TokenizerError(ValueError):
     """Bad tokenizer files or input; the message names the file or field."""
+
+
+@dataclass(frozen=True)
+class TokenizerKind:
+    """One registered kind of tokenizer files."""
+
+    kind: str  # TokenizerSpec.kind
+    module: str  # the module holding the class
+    class_name: str  # a Tokenizer subclass
+    description: str
+
+    def load(self) -> type[Tokenizer]:
+        return getattr(importlib.import_module(self.module), self.class_name)
+
+
+TOKENIZER_KINDS: dict[str, TokenizerKind] = {
+    "sentencepiece": TokenizerKind(
+        "sentencepiece", "tfserve.text.tokenizers.sentencepiece", "SentencePieceTokenizer",
+        "SentencePiece model(s), native ids or mapped through vocab.json (Marian)"),
+    "hf-json": TokenizerKind(
+        "hf-json", "tfserve.text.tokenizers.hf_json", "HFJsonTokenizer",
+        "a Hugging Face tokenizer.json (BART, mBART, NLLB, T5)"),
+    "t5-spiece": TokenizerKind(
+        "t5-spiece", "tfserve.text.tokenizers.t5_spiece", "T5SpieceTokenizer",
+        "a T5 spiece.model without tokenizer.json (Flan-T5, MADLAD-400)"),
+    "spm-vocab": TokenizerKind(
+        "spm-vocab", "tfserve.text.tokenizers.spm_vocab", "SpmVocabTokenizer",
+        "a SentencePiece model + vocab.json with added tokens (M2M100)"),
+}
+KINDS = tuple(TOKENIZER_KINDS)
+
+
+def tokenizer_kind(kind: Any) -> TokenizerKind:
+    """The registry entry of `kind`; TokenizerError naming tokenizer.kind and the known
+    kinds otherwise."""
+    entry = TOKENIZER_KINDS.get(kind) if isinstance(kind, str) else None
+    if entry is None:
+        raise TokenizerError(f"tokenizer.kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    return entry
 
 
 @dataclass
@@ -88,142 +126,43 @@ class TokenizerSpec:
         unknown = sorted(set(data) - known)
         if unknown:
             raise TokenizerError(f"unknown tokenizer field(s): {', '.join(unknown)}")
-        kind = data.get("kind", "sentencepiece")
-        if kind not in KINDS:
-            raise TokenizerError(f"tokenizer kind must be one of {KINDS}, got {kind!r}")
+        tokenizer_kind(data.get("kind", "sentencepiece"))
         return cls(**data)
 
 
-def _load_spm(path: Path) -> spm.SentencePieceProcessor:
-    if not path.is_file():
-        raise TokenizerError(f"SentencePiece model not found: {path}")
-    processor = spm.SentencePieceProcessor()
-    try:
-        processor.LoadFromSerializedProto(path.read_bytes())
-    except (RuntimeError, OSError) as exc:
-        raise TokenizerError(f"cannot load SentencePiece model {path}: {exc}") from exc
-    return processor
+def check_text(text: Any) -> str:
+    """text itself when it is a string; TokenizerError otherwise."""
+    if not isinstance(text, str):
+        raise TokenizerError(f"text must be a string, got {type(text).__name__}")
+    return text
 
 
-class HFText:
-    """A `tokenizers.Tokenizer`: encoding with its post-processor, decoding without special
-    tokens, as transformers' fast tokenizers run it (`tokenizer(text).input_ids`,
-    `tokenizer.decode(ids, skip_special_tokens=True)`)."""
+class Tokenizer(ABC):
+    """Text <-> token ids for one translation direction.
 
-    def __init__(self, tokenizer: Any, where: Path) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
-        if self.vocab_size < 1:
-            raise TokenizerError(f"{where} has an empty vocabulary")
-        # the added tokens marked special (T5: <pad>, </s>, <unk>, the <extra_id_N>)
-        self.special_ids = {int(i) for i, token in tokenizer.get_added_tokens_decoder().items()
-                            if token.special}
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self.tokenizer.id_to_token(token_id)
-
-
-def load_hf_json(path: Path) -> Any:
-    """A tokenizer.json as a `tokenizers.Tokenizer`; TokenizerError naming the file."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    if not path.is_file():
-        raise TokenizerError(f"tokenizer file not found: {path}")
-    try:
-        return HFTokenizer.from_str(path.read_text(encoding="utf-8"))
-    except Exception as exc:  # OSError, UnicodeDecodeError, tokenizers' own
-        raise TokenizerError(f"cannot load tokenizer file {path}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
-
-
-def t5_from_spiece(path: Path, extra_ids: int) -> Any:
-    """A T5 spiece.model as the `tokenizers.Tokenizer` transformers' T5Tokenizer builds from it
-    (transformers 5: T5Tokenizer.__init__ and the T5 SentencePiece conversion).
-
-    The pieces and their scores as a Unigram model (unk at the model's unk id, no byte
-    fallback), then `extra_ids` sentinels <extra_id_{extra_ids-1}> .. <extra_id_0> at the
-    following ids; the model's precompiled normalizer; whitespace split and '▁' word marks;
-    the model's control pieces (<pad>, </s>), its unk piece, its user-defined pieces and the
-    sentinels matched in the text and dropped from decoded text as special tokens; </s>
-    appended.
+    `Tokenizer(directory, spec)` returns an instance of the class registered for
+    `spec.kind`. A kind implements `_load` (its files; the vocabulary size), `_text_ids`
+    (one text's own tokens), `_decode_kept` (ids without special tokens -> text) and
+    `id_to_token`; it overrides `_target_ids`, `_own_frame` and `_kind_special_ids` where
+    its files say more than the spec does.
     """
-    from sentencepiece import sentencepiece_model_pb2
-    from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers, processors
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers.models import Unigram
 
-    if not path.is_file():
-        raise TokenizerError(f"SentencePiece model not found: {path}")
-    if isinstance(extra_ids, bool) or not isinstance(extra_ids, int) or extra_ids < 0:
-        raise TokenizerError(f"tokenizer extra_ids must be an integer >= 0, got {extra_ids!r}")
-    proto = sentencepiece_model_pb2.ModelProto()
-    try:
-        proto.ParseFromString(path.read_bytes())
-    except Exception as exc:  # protobuf's DecodeError, OSError
-        raise TokenizerError(f"cannot load SentencePiece model {path}: {exc}") from exc
-    if not proto.pieces:
-        raise TokenizerError(f"cannot load SentencePiece model {path}: no pieces")
-    if proto.trainer_spec.model_type != 1:  # UNIGRAM
-        raise TokenizerError(f"{path} is not a unigram SentencePiece model (T5's kind)")
-    vocab = [(piece.piece, piece.score) for piece in proto.pieces]
-    sentinels = [f"<extra_id_{i}>" for i in range(extra_ids - 1, -1, -1)]
-    vocab += [(token, 0.0) for token in sentinels]
-    tokenizer = HFTokenizer(Unigram(vocab, unk_id=proto.trainer_spec.unk_id,
-                                    byte_fallback=False))
-    charsmap = proto.normalizer_spec.precompiled_charsmap
-    if charsmap:
-        tokenizer.normalizer = normalizers.Precompiled(charsmap)
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.WhitespaceSplit(),
-        pre_tokenizers.Metaspace(replacement=WORD_BOUNDARY, prepend_scheme="always", split=True),
-    ])
-    tokenizer.decoder = decoders.Metaspace(replacement=WORD_BOUNDARY, prepend_scheme="always",
-                                           split=True)
-    # sentencepiece ModelProto.SentencePiece.Type: transformers lists the control and
-    # user-defined pieces (MADLAD's <2xx>) among T5Tokenizer's special tokens
-    unknown, control, user_defined = 2, 3, 4
-    special = [p.piece for p in proto.pieces if p.type in (unknown, control, user_defined)]
-    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                  for t in special + sentinels])
-    eos = proto.trainer_spec.eos_piece or "</s>"
-    eos_id = tokenizer.token_to_id(eos)
-    if eos_id is None:
-        raise TokenizerError(f"{path} has no eos piece {eos!r}")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=["$A", eos], pair=["$A", eos, "$B", eos], special_tokens=[(eos, eos_id)])
-    return tokenizer
+    def __new__(cls, *args: Any, **kwargs: Any) -> Tokenizer:
+        if cls is Tokenizer:
+            spec = kwargs["spec"] if "spec" in kwargs else args[1]
+            cls = tokenizer_kind(spec.kind).load().for_spec(spec)
+        return super().__new__(cls)
 
-
-class Tokenizer:
-    """Text <-> token ids for one translation direction."""
+    @classmethod
+    def for_spec(cls, spec: TokenizerSpec) -> type[Tokenizer]:
+        """The class of this kind that reads `spec`'s files (a kind with modes picks one)."""
+        return cls
 
     def __init__(self, directory: str | Path, spec: TokenizerSpec) -> None:
-        directory = Path(directory)
-        self.directory = directory
+        tokenizer_kind(spec.kind)
+        self.directory = Path(directory)
         self.spec = spec
-        self.piece_to_id: dict[str, int] | None = None
-        self.id_to_piece: dict[int, str] | None = None
-        self.hf: HFText | None = None
-        if spec.kind not in KINDS:
-            raise TokenizerError(f"tokenizer kind must be one of {KINDS}, got {spec.kind!r}")
-        self.spm_vocab: SpmVocabText | None = None
-        if spec.kind == "spm-vocab":
-            self._load_spm_vocab(directory, spec)
-        elif spec.kind != "sentencepiece":
-            path = directory / spec.source
-            loaded = (load_hf_json(path) if spec.kind == "hf-json"
-                      else t5_from_spiece(path, spec.extra_ids))
-            self.hf = HFText(loaded, path)
-            self.source_spm = self.target_spm = None
-            self.vocab_size = self.hf.vocab_size
-        else:
-            self._load_sentencepiece(directory, spec)
+        self.vocab_size = self._load()
         self.pad_id = spec.pad_token_id
         self.eos_id = spec.eos_token_id
         self.unk_id = spec.unk_token_id
@@ -235,11 +174,7 @@ class Tokenizer:
                     f"tokenizer {name}={value} is outside the vocabulary [0, {self.vocab_size})"
                 )
         self.special_ids = {self.pad_id, self.eos_id, self.unk_id, self.decoder_start_id,
-                            *spec.extra_special_ids}
-        if self.hf is not None:
-            self.special_ids |= self.hf.special_ids
-        if self.spm_vocab is not None:
-            self.special_ids |= self.spm_vocab.special_ids
+                            *spec.extra_special_ids, *self._kind_special_ids()}
         self.languages: LanguageConventions | None = None
         if spec.languages is not None:
             try:
@@ -255,72 +190,38 @@ class Tokenizer:
             self.special_ids |= set(self.languages.codes.values())
         self._frame = self._own_frame()
 
-    def _load_spm_vocab(self, directory: Path, spec: TokenizerSpec) -> None:
-        if not spec.vocab:
-            raise TokenizerError("tokenizer kind spm-vocab needs a vocab file")
-        try:
-            added = [AddedToken.from_dict(token) for token in spec.added_tokens]
-            self.spm_vocab = SpmVocabText(directory / spec.source, directory / spec.vocab,
-                                          added, spec.unk_token_id)
-        except SpmVocabError as exc:
-            raise TokenizerError(str(exc)) from exc
-        self.source_spm = self.target_spm = self.spm_vocab.processor
-        self.vocab_size = self.spm_vocab.vocab_size
-        if spec.languages:
-            codes = spec.languages.get("codes") if isinstance(spec.languages, dict) else None
-            if isinstance(codes, dict) and codes:
-                ids = [i for i in codes.values() if isinstance(i, int)]
-                self.vocab_size = max([self.vocab_size, *(i + 1 for i in ids)])
+    # -- what a kind implements -------------------------------------------------------------
+
+    @abstractmethod
+    def _load(self) -> int:
+        """Load the files `self.spec` names in `self.directory`; the vocabulary size."""
+
+    @abstractmethod
+    def _text_ids(self, text: str) -> list[int]:
+        """The ids of one text's own tokens (text is a string)."""
+
+    @abstractmethod
+    def _decode_kept(self, ids: list[int]) -> str:
+        """The text of ids whose special tokens are already dropped."""
+
+    @abstractmethod
+    def id_to_token(self, token_id: int) -> str:
+        """The piece or token of one id."""
+
+    def _target_ids(self, text: str) -> list[int]:
+        """Target-side ids of one text, eos included."""
+        return self._text_ids(text) + [self.eos_id]
+
+    def _kind_special_ids(self) -> set[int]:
+        """Ids the kind's files mark special, beyond the spec's (dropped from text)."""
+        return set()
 
     def _own_frame(self) -> tuple[list[int], list[int]]:
         """What encoding adds around a text's ids when the model has no languages: eos
-        after it (SentencePiece modes), or what a tokenizer.json's post-processor adds
-        (T5: </s> after; BART: <s> before and </s> after)."""
-        if self.hf is None:
-            return [], [self.eos_id]
-        text = self.hf.tokenizer.encode(FRAME_PROBE, add_special_tokens=False).ids
-        full = self.hf.encode(FRAME_PROBE)
-        for start in range(len(full) - len(text) + 1):
-            if full[start:start + len(text)] == text:
-                return full[:start], full[start + len(text):]
-        raise TokenizerError(f"{self.directory / self.spec.source}: its post-processor "
-                             "changes the text's tokens; tfserve places only tokens around "
-                             "them")
+        after it."""
+        return [], [self.eos_id]
 
-    def _load_sentencepiece(self, directory: Path, spec: TokenizerSpec) -> None:
-        self.source_spm = _load_spm(directory / spec.source)
-        self.target_spm = _load_spm(directory / spec.target) if spec.target else self.source_spm
-        if spec.vocab:
-            vocab_path = directory / spec.vocab
-            try:
-                vocab = json.loads(vocab_path.read_text(encoding="utf-8"))
-            except FileNotFoundError as exc:
-                raise TokenizerError(f"vocab file not found: {vocab_path}") from exc
-            except (OSError, json.JSONDecodeError) as exc:
-                raise TokenizerError(f"cannot read vocab file {vocab_path}: {exc}") from exc
-            if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
-                raise TokenizerError(f"{vocab_path} must map pieces to integer ids")
-            self.piece_to_id = vocab
-            self.id_to_piece = {i: p for p, i in vocab.items()}
-            self.vocab_size = max(vocab.values()) + 1
-        else:
-            self.vocab_size = self.source_spm.GetPieceSize()
-
-    # -- encoding -------------------------------------------------------------------------
-
-    def _ids(self, processor: spm.SentencePieceProcessor, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise TokenizerError(f"text must be a string, got {type(text).__name__}")
-        if self.piece_to_id is None:
-            return list(processor.EncodeAsIds(text))
-        prefix: list[int] = []
-        if text.startswith(">>") and (end := text.find("<<")) != -1:
-            # a target-language code (multilingual opus-mt: ">>fr<< text") is one vocab
-            # token, not SentencePiece input, as in MarianTokenizer
-            prefix = [self.piece_to_id.get(text[: end + 2], self.unk_id)]
-            text = text[end + 2 :]
-        return prefix + [self.piece_to_id.get(p, self.unk_id)
-                         for p in processor.EncodeAsPieces(text)]
+    # -- encoding ---------------------------------------------------------------------------
 
     def encode(self, text: str, source_language: str | None = None) -> list[int]:
         """Source ids of one text: its tokens in their frame (eos after them; a
@@ -331,13 +232,7 @@ class Tokenizer:
 
     def encode_text(self, text: str) -> list[int]:
         """The ids of one text's own tokens, no eos or other token added."""
-        if not isinstance(text, str):
-            raise TokenizerError(f"text must be a string, got {type(text).__name__}")
-        if self.hf is not None:
-            return list(self.hf.tokenizer.encode(text, add_special_tokens=False).ids)
-        if self.spm_vocab is not None:
-            return self.spm_vocab.encode(text)
-        return self._ids(self.source_spm, text)
+        return self._text_ids(check_text(text))
 
     def frame(self, source_language: str | None = None) -> tuple[list[int], list[int]]:
         """The ids that go before and after a source text's own ids. A source_language
@@ -352,17 +247,7 @@ class Tokenizer:
 
     def encode_target(self, text: str) -> list[int]:
         """Target-side ids of one text, ending with eos (training labels, references)."""
-        if self.hf is not None and self.languages is None:
-            return self._hf_ids(text)
-        if self.hf is not None or self.spm_vocab is not None:
-            return self.encode_text(text) + [self.eos_id]
-        return self._ids(self.target_spm, text) + [self.eos_id]
-
-    def _hf_ids(self, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise TokenizerError(f"text must be a string, got {type(text).__name__}")
-        assert self.hf is not None
-        return self.hf.encode(text)
+        return self._target_ids(check_text(text))
 
     def pad_batch(self, sequences: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
         """Right-pad id lists into input_ids and attention_mask, both int64 [B,S]."""
@@ -399,33 +284,8 @@ class Tokenizer:
                     sequences[index] = seq[: max_length - 1] + [self.eos_id]
         return self.pad_batch(sequences)
 
-    # -- decoding -------------------------------------------------------------------------
+    # -- decoding ---------------------------------------------------------------------------
 
     def decode(self, ids: Sequence[int]) -> str:
         """Target text of ids, special tokens dropped."""
-        kept = [int(i) for i in ids if int(i) not in self.special_ids]
-        if self.spm_vocab is not None:
-            return self.spm_vocab.decode(kept)
-        if self.hf is not None:
-            # ids the model has beyond the tokenizer's vocabulary (T5 pads it to a multiple
-            # of 128) have no text
-            return self.hf.decode([i for i in kept if 0 <= i < self.vocab_size])
-        if self.id_to_piece is None:
-            kept = [i for i in kept if 0 <= i < self.vocab_size]
-            return self.target_spm.DecodeIds(kept).strip()
-        pieces = [self.id_to_piece[i] for i in kept if i in self.id_to_piece]
-        # A shared vocab.json holds source pieces that target.spm does not know, and
-        # SentencePiece copies an unknown piece verbatim, word-boundary marks included
-        # ('▁w5▁w6'); every mark left is a space, as MarianTokenizer.convert_tokens_to_string
-        # makes it. strip: a dropped unk can leave a space at either end.
-        text = self.target_spm.DecodePieces(pieces).replace(WORD_BOUNDARY, " ")
-        return text.strip()
-
-    def id_to_token(self, token_id: int) -> str:
-        if self.spm_vocab is not None:
-            return self.spm_vocab.id_to_piece.get(token_id, "<unk>")
-        if self.hf is not None:
-            return self.hf.id_to_token(token_id) or "<unk>"
-        if self.id_to_piece is not None:
-            return self.id_to_piece.get(token_id, "<unk>")
-        return self.target_spm.IdToPiece(token_id)
+        return self._decode_kept([int(i) for i in ids if int(i) not in self.special_ids])

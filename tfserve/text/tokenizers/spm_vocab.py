@@ -1,5 +1,5 @@
-"""SentencePiece pieces mapped through a vocab.json, with added tokens matched in the text:
-M2M100's tokenizer (`TokenizerSpec.kind` "spm-vocab"), which ships no tokenizer.json.
+"""The "spm-vocab" kind: SentencePiece pieces mapped through a vocab.json, with added tokens
+matched in the text: M2M100's tokenizer, which ships no tokenizer.json.
 
 transformers' M2M100Tokenizer (a Python tokenizer) encodes a text by
 1. splitting it on its added tokens (`<s>`, `<pad>`, `</s>`, `<unk>` and whatever its
@@ -11,7 +11,8 @@ transformers' M2M100Tokenizer (a Python tokenizer) encodes a text by
    `<unk>`); the language tokens `__xx__` sit after the vocabulary, in the order of its list
    of language codes.
 Decoding drops the special tokens and joins the pieces with SentencePiece, stripped.
-`SpmVocabText` does the same; only numpy-free Python and sentencepiece are used.
+`SpmVocabText` does the same with sentencepiece alone; `SpmVocabTokenizer` is the kind's
+`Tokenizer` around it (the spec's `added_tokens`; the language tokens after the vocabulary).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import sentencepiece as spm
+
+from tfserve.text.tokenizer import Tokenizer, TokenizerError
 
 
 class SpmVocabError(ValueError):
@@ -130,3 +133,39 @@ class SpmVocabText:
     def token_to_id(self, token: str) -> int | None:
         added = self.added.get(token)
         return added.id if added is not None else self.piece_to_id.get(token)
+
+
+class SpmVocabTokenizer(Tokenizer):
+    """spec.source is the SentencePiece model, spec.vocab the vocab.json, spec.added_tokens
+    the tokens matched in the text."""
+
+    def _load(self) -> int:
+        spec = self.spec
+        if not spec.vocab:
+            raise TokenizerError("tokenizer kind spm-vocab needs a vocab file")
+        try:
+            added = [AddedToken.from_dict(token) for token in spec.added_tokens]
+            self.text = SpmVocabText(self.directory / spec.source, self.directory / spec.vocab,
+                                     added, spec.unk_token_id)
+        except SpmVocabError as exc:
+            raise TokenizerError(str(exc)) from exc
+        vocab_size = self.text.vocab_size
+        # the language tokens sit after the vocabulary (M2M100); the spec's languages are
+        # checked in full once the vocabulary size is known
+        codes = spec.languages.get("codes") if isinstance(spec.languages, dict) else None
+        if isinstance(codes, dict) and codes:
+            ids = [i for i in codes.values() if isinstance(i, int)]
+            vocab_size = max([vocab_size, *(i + 1 for i in ids)])
+        return vocab_size
+
+    def _kind_special_ids(self) -> set[int]:
+        return self.text.special_ids
+
+    def _text_ids(self, text: str) -> list[int]:
+        return self.text.encode(text)
+
+    def _decode_kept(self, ids: list[int]) -> str:
+        return self.text.decode(ids)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.text.id_to_piece.get(token_id, "<unk>")
