@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from helpers import tiny_config
 
 from export.cli import main as export_main
 from tfserve.artifacts.model_config import ModelConfig
@@ -25,16 +26,17 @@ atexit.register(shutil.rmtree, WORK, True)
 DEMO_VOCAB_FILES = ("source.spm", "tokenizer.json")
 
 
-def tiny_config(positions: str = "rope", norm: str = "pre", **overrides: object) -> ModelConfig:
-    values: dict = dict(vocab_size=111, d_model=32, num_heads=4, encoder_layers=2,
-                        decoder_layers=2, ffn_dim=64, activation="gelu", positions=positions,
-                        norm=norm, max_source_positions=300, max_target_positions=128,
-                        name=f"tiny-{positions}-{norm}")
+def demo_vocab_config(positions: str = "rope", norm: str = "pre",
+                      **overrides: object) -> ModelConfig:
+    """`helpers.tiny_config` for the demo tokenizer (vocab 111) and its sentences: 4 heads,
+    300 source and 128 target positions, named after its variant; sinusoidal positions in
+    the half layout, with a final logits bias."""
+    values: dict = dict(vocab_size=111, num_heads=4, max_source_positions=300,
+                        max_target_positions=128, name=f"tiny-{positions}-{norm}")
     if positions == "sinusoidal":
         values["sinusoidal_layout"] = "half"
         values["final_logits_bias"] = True
-    values.update(overrides)
-    return ModelConfig(**values)
+    return tiny_config(positions, norm, **{**values, **overrides})
 
 
 @functools.cache
@@ -47,7 +49,7 @@ def checkpoint(positions: str = "rope", norm: str = "pre", seed: int = 0,
     many of the outputs.
     """
     torch.manual_seed(seed)
-    model = Seq2SeqTransformer(tiny_config(positions, norm))
+    model = Seq2SeqTransformer(demo_vocab_config(positions, norm))
     if model.final_logits_bias is not None:
         with torch.no_grad():
             model.final_logits_bias.normal_(std=0.5)

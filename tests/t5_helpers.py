@@ -151,13 +151,6 @@ def write_encoder_checkpoint(directory: Path, spiece: bytes, model_type: str = "
     return type(model).from_pretrained(str(directory)).eval()
 
 
-def load_tokenizer(directory: Path):
-    """transformers' AutoTokenizer on the checkpoint (the reference for token ids)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(directory))
-
-
 def sentences(count: int, seed: int, low: int = 1, high: int = 12) -> list[str]:
     """English-ish sentences; with high > 12, longer ones (several corpus lines joined)."""
     lines = mh.corpus(mh.SOURCE_WORDS, count * 3, seed=seed)

@@ -27,7 +27,6 @@ import os
 import shutil
 import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,6 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only, never th
 transformers = pytest.importorskip("transformers")
 
 import family_helpers as fh  # noqa: E402
+import hf_import_helpers as hh  # noqa: E402
 from gpu_helpers import MIN_IDENTICAL, cuda_agreement, needs_cuda  # noqa: E402
 from test_marian import tokenizer_strings  # noqa: E402
 
@@ -48,16 +48,13 @@ from export.verify import relative_diff  # noqa: E402
 from tfserve.artifacts.generation_defaults import GenerationDefaults  # noqa: E402
 from tfserve.artifacts.manifest import Manifest  # noqa: E402
 from tfserve.artifacts.model_config import ConfigError, ModelConfig  # noqa: E402
-from tfserve.generation import make_search  # noqa: E402
-from tfserve.generation.batch import DecodeBatch, Joining, generate  # noqa: E402
+from tfserve.generation.batch import generate  # noqa: E402
 from tfserve.model.eager import EagerBackend  # noqa: E402
-from tfserve.runtime import Runtime  # noqa: E402
 from tfserve.text.languages import LanguageError  # noqa: E402
 from tfserve.text.tokenizer import Tokenizer  # noqa: E402
 from tfserve.text.translation_inputs import request_options, source_ids  # noqa: E402
 from tfserve.translator import Translator  # noqa: E402
 
-RELATIVE_TOLERANCE = 1e-5  # |ours - transformers| / the row's largest |logit|
 MAX_NEW_TOKENS = 20
 COUNT = 50  # generate comparisons per family and mode
 # (name, extra decoding settings) cycled over the inputs of the generate comparison
@@ -86,41 +83,10 @@ def checkpoints(tmp_path_factory):
     return built
 
 
-@pytest.fixture(scope="module")
-def exported(checkpoints, tmp_path_factory):
-    """name -> artifacts directory written by `python -m export --from-hf`."""
-    out = {}
-    for name in fh.FAMILIES:
-        target = tmp_path_factory.mktemp("artifacts") / name
-        code = export_main(["--from-hf", str(checkpoints[name][0]), "--out", str(target),
-                            "--quiet"])
-        assert code == 0, f"export of {name} failed with exit code {code}"
-        out[name] = target
-    return out
-
-
-@pytest.fixture(scope="module")
-def runtimes(exported):
-    return {name: Runtime(path, intra_op_threads=1) for name, path in exported.items()}
-
-
-@pytest.fixture(scope="module")
-def imported(checkpoints):
-    return {name: import_hf(directory).model for name, (directory, _, _) in checkpoints.items()}
-
-
-def auto_tokenizer(directory: Path, source_language: str = ""):
-    """transformers' AutoTokenizer on the checkpoint (the reference for token ids)."""
-    kwargs = {"src_lang": source_language} if source_language else {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.AutoTokenizer.from_pretrained(str(directory), **kwargs)
-
-
 def source_batch(checkpoint, count: int, seed: int, name: str):
     """`count` sentences in the family's source language, AutoTokenizer's padded batch."""
     texts = fh.sentences(count, seed)
-    tokenizer = auto_tokenizer(checkpoint[0], fh.LANGUAGES[name][0])
+    tokenizer = hh.auto_tokenizer(checkpoint[0], fh.LANGUAGES[name][0])
     return texts, tokenizer(texts, return_tensors="pt", padding=True)
 
 
@@ -153,17 +119,17 @@ def test_token_ids_match_auto_tokenizer(name, checkpoints):
     source, targets = fh.LANGUAGES[name]
     languages = [source, *[t for t in targets if t != source]][:3] if source else [""]
     for language in languages:
-        theirs = auto_tokenizer(directory, language)
+        theirs = hh.auto_tokenizer(directory, language)
         mismatches = [(s, ours.encode(s, language or None), theirs(s).input_ids)
                       for s in strings if ours.encode(s, language or None) != theirs(s).input_ids]
         assert not mismatches, (f"{name} {language}: {len(mismatches)} of 200 differ, e.g. "
                                 f"{mismatches[:3]}")
     # the default source language is the checkpoint tokenizer's own
-    assert ours.encode("the cat") == auto_tokenizer(directory)("the cat").input_ids
+    assert ours.encode("the cat") == hh.auto_tokenizer(directory)("the cat").input_ids
     assert sum(ours.unk_id in ours.encode(s, source or None) for s in strings) >= 3 or \
         name == "bart"  # byte-level BPE has no unknown pieces
     ids, mask = ours.encode_batch(strings[:32])
-    batch = auto_tokenizer(directory)(strings[:32], return_tensors="np", padding=True)
+    batch = hh.auto_tokenizer(directory)(strings[:32], return_tensors="np", padding=True)
     np.testing.assert_array_equal(ids, batch["input_ids"])
     np.testing.assert_array_equal(mask, batch["attention_mask"])
 
@@ -174,7 +140,7 @@ def test_decoding_matches_auto_tokenizer(name, checkpoints):
     tokens included): the text of transformers' decode(skip_special_tokens=True)."""
     directory = checkpoints[name][0]
     ours = Tokenizer(directory, import_hf(directory).tokenizer_spec)
-    theirs = auto_tokenizer(directory)
+    theirs = hh.auto_tokenizer(directory)
     rng = np.random.default_rng(3)
     for _ in range(1000):
         sequence = rng.integers(0, len(theirs), size=int(rng.integers(0, 25))).tolist()
@@ -193,7 +159,7 @@ def test_source_truncation_keeps_the_language_frame(checkpoints):
         directory = checkpoints[name][0]
         ours = Tokenizer(directory, import_hf(directory).tokenizer_spec)
         source = fh.LANGUAGES[name][1][0]
-        theirs = auto_tokenizer(directory, source)
+        theirs = hh.auto_tokenizer(directory, source)
         expected = theirs(text, truncation=True, max_length=12).input_ids
         assert source_ids(ours, [text], source, 12, truncate=True) == [expected], name
         with pytest.raises(ValueError, match=r"texts\[0\] is \d+ tokens, over the limit of 12"):
@@ -285,26 +251,9 @@ def test_fairseq_table_equals_transformers():
 def teacher_forced(checkpoint, name: str, count: int = 6, length: int = 24, seed: int = 2):
     """A padded source batch, right-padded random decoder inputs [B,T] starting with the
     start token, their mask, and transformers' logits."""
-    _, model, _ = checkpoint
+    _, model, tokenizer = checkpoint
     _, batch = source_batch(checkpoint, count, seed, name)
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, len(checkpoint[2]), (count, length), generator=gen)
-    ids[:, 0] = model.config.decoder_start_token_id
-    mask = torch.ones_like(ids)
-    for row in range(1, count):
-        mask[row, length - 3 * row:] = 0
-        ids[row, length - 3 * row:] = model.config.pad_token_id
-    with torch.no_grad():
-        expected = model(**batch, decoder_input_ids=ids, decoder_attention_mask=mask).logits
-    return batch, ids, mask, expected
-
-
-def assert_logits_close(got, expected, keep, what: str) -> None:
-    got, expected = np.asarray(got)[keep], np.asarray(expected)[keep]
-    diff = relative_diff(got, expected)
-    print(f"{what}: max |logits diff| / row scale vs transformers {diff:.2e}")
-    assert diff < RELATIVE_TOLERANCE, what
-    assert float(expected.std()) > 0.5  # the comparison is not between near-constants
+    return (batch, *hh.teacher_forced(model, batch, 4, len(tokenizer), length, seed))
 
 
 @pytest.mark.parametrize("name", fh.FAMILIES)
@@ -312,33 +261,16 @@ def test_eager_logits_match_transformers(name, checkpoints, imported):
     batch, ids, mask, expected = teacher_forced(checkpoints[name], name)
     with torch.no_grad():
         got = imported[name](batch["input_ids"], batch["attention_mask"], ids, mask)
-    assert_logits_close(got.numpy(), expected.numpy(), mask.bool().numpy(), f"{name} eager")
+    hh.assert_logits_close(got.numpy(), expected.numpy(), mask.bool().numpy(),
+                           f"{name} eager")
 
 
 @pytest.mark.parametrize("name", fh.FAMILIES)
 def test_onnx_logits_match_transformers(name, checkpoints, runtimes):
     """All decoder inputs in one step, then one token per step through the KV cache."""
-    runtime = runtimes[name]
     batch, ids, mask, expected = teacher_forced(checkpoints[name], name)
-    source_ids_, source_mask = batch["input_ids"].numpy(), batch["attention_mask"].numpy()
-    _, cross = runtime.encode(source_ids_, source_mask)
-    rows, length = ids.shape
-    positions = np.broadcast_to(np.arange(length), (rows, length))
-    got = runtime.step(ids.numpy(), positions, mask.numpy(), source_mask,
-                       runtime.empty_past(rows), cross).logits
-    assert_logits_close(got, expected.numpy(), mask.bool().numpy(), f"{name} ONNX, all at once")
-    past, steps = runtime.empty_past(rows), []
-    for t in range(length):
-        out = runtime.step(ids[:, t: t + 1].numpy(), np.full((rows, 1), t, np.int64),
-                           np.ones((rows, t + 1), np.int64), source_mask, past, cross)
-        past = out.present
-        steps.append(out.logits)
-    # step by step without decoder padding: every position of transformers' unpadded run
-    with torch.no_grad():
-        unpadded = checkpoints[name][1](**batch, decoder_input_ids=ids).logits.numpy()
-    assert_logits_close(np.concatenate(steps, axis=1), unpadded, np.ones_like(mask.numpy(),
-                                                                              dtype=bool),
-                        f"{name} ONNX, cached")
+    hh.assert_onnx_logits_close(runtimes[name], checkpoints[name][1], batch, ids, mask,
+                                expected, name)
 
 
 def test_pad_tokens_inside_a_source_take_no_position(checkpoints, runtimes):
@@ -353,7 +285,7 @@ def test_pad_tokens_inside_a_source_take_no_position(checkpoints, runtimes):
     hidden, _ = runtimes["nllb"].encode(batch["input_ids"].numpy(),
                                         batch["attention_mask"].numpy())
     keep = batch["attention_mask"].bool().numpy() & (batch["input_ids"] != 1).numpy()
-    assert relative_diff(hidden[keep], expected[keep]) < RELATIVE_TOLERANCE
+    assert relative_diff(hidden[keep], expected[keep]) < hh.RELATIVE_TOLERANCE
 
 
 # -- search ---------------------------------------------------------------------------------
@@ -508,39 +440,12 @@ def test_eager_search_matches_generate(name, searches, imported, runtimes):
     assert [r[0].token_ids for r in results] == expected["beam4"]
 
 
-def unpadded(batch) -> list[list[int]]:
-    """The batch's sources without their padding."""
-    return [[int(t) for t, m in zip(ids, mask) if m] for ids, mask in
-            zip(batch["input_ids"].tolist(), batch["attention_mask"].tolist())]
-
-
 def continuous_batch(runtime, name: str, batch, plan) -> tuple[dict[int, str],
                                                                  dict[int, list[int]]]:
-    """One DecodeBatch: groups of inputs (greedy and beam 4 alternating, each with its own
-    target language and controls) join a running batch at steps 0, 3, 7, 11 and 16.
-    Returns each input's mode and its output's tokens."""
-    rows = list(range(len(plan)))
-    sources = unpadded(batch)
-    modes = {row: "beam4" if row % 2 else "greedy" for row in rows}
-    joins = {step: rows[10 * k: 10 * k + 10] for k, step in enumerate((0, 3, 7, 11, 16))}
-    decode = DecodeBatch(runtime)
-    results: dict[int, list[int]] = {}
-    step = 0
-    while step < 200 and len(results) < len(rows):
-        if step in joins:
-            group = joins[step]
-            ids, mask = runtime.tokenizer.pad_batch([sources[r] for r in group])
-            _, cross = runtime.encode(ids, mask)
-            searches_ = [make_search(options_for(runtime, runtime.tokenizer, name, plan[r][0],
-                                                 plan[r][2], 4 if modes[r] == "beam4" else 1),
-                                     runtime.eos_token_id, runtime.decoder_start_token_id)
-                         for r in group]
-            decode.join([Joining(searches_, group, cross, mask)])
-        for tag, search in decode.step():
-            assert search.error is None
-            results[tag] = search.results()[0].token_ids
-        step += 1
-    return modes, results
+    """`hh.continuous_batch` with each input's own target language and controls."""
+    assert len(plan) == COUNT
+    return hh.continuous_batch(runtime, batch, lambda row, beams: options_for(
+        runtime, runtime.tokenizer, name, plan[row][0], plan[row][2], beams))
 
 
 @pytest.mark.parametrize("name", ["nllb", "m2m100", "cc25"])
@@ -549,9 +454,7 @@ def test_continuous_batch_with_mixed_targets(name, searches, runtimes):
     gets generate's answer for it alone."""
     batch, plan, expected = searches[name]
     modes, results = continuous_batch(runtimes[name], name, batch, plan)
-    rows = range(COUNT)
-    assert {row: results[row] for row in rows} == {row: expected[modes[row]][row]
-                                                   for row in rows}
+    hh.assert_each_gets_its_own_answer(modes, results, expected)
 
 
 # -- mBART-cc25: a request's target language is the token its decoding starts from ---------
@@ -593,7 +496,7 @@ def test_cc25_decodes_into_each_requests_language(mode, cc25_searches, runtimes)
     assert not mismatches, (f"{len(mismatches)}/{COUNT} differ, first {mismatches[0]} "
                             f"{plan[mismatches[0]][:2]}: ours {ours[mismatches[0]]} "
                             f"transformers {expected[mode][mismatches[0]]}")
-    sources = unpadded(batch)
+    sources = hh.unpadded(batch)
     for row, options in enumerate(per_source):
         alone = generate(runtime, np.array([sources[row]]), np.ones((1, len(sources[row])),
                                                                     np.int64), options)
@@ -610,9 +513,7 @@ def test_cc25_languages_join_a_running_batch(cc25_searches, runtimes):
     answer for it."""
     batch, plan, expected, _ = cc25_searches
     modes, results = continuous_batch(runtimes["cc25"], "cc25", batch, plan)
-    rows = range(COUNT)
-    assert {row: results[row] for row in rows} == {row: expected[modes[row]][row]
-                                                   for row in rows}
+    hh.assert_each_gets_its_own_answer(modes, results, expected)
 
 
 def test_cc25_languages_through_the_scheduler(cc25_searches, runtimes):
@@ -625,7 +526,7 @@ def test_cc25_languages_through_the_scheduler(cc25_searches, runtimes):
 
     runtime = runtimes["cc25"]
     batch, plan, expected, _ = cc25_searches
-    sources = unpadded(batch)
+    sources = hh.unpadded(batch)
     scheduler = Scheduler(runtime, SchedulerConfig(max_batch_size=16, max_wait_ms=0.0,
                                                    wave_wait_steps=0))
     with pytest.raises(ValueError, match="decoder_start_token_id must be in"):
@@ -705,7 +606,7 @@ def hf_texts(checkpoint, name: str, texts: list[str], target: str, **kwargs) -> 
     the checkpoint's own forced_eos_token_id (mBART's config sets eos; the Translator takes
     it from the generation defaults)."""
     directory, model, _ = checkpoint
-    tokenizer = auto_tokenizer(directory, fh.LANGUAGES[name][0])
+    tokenizer = hh.auto_tokenizer(directory, fh.LANGUAGES[name][0])
     forced = tokenizer.convert_tokens_to_ids(f"__{target}__" if name == "m2m100" else target) \
         if name in ("nllb", "m2m100", "mbart50") else None
     with torch.no_grad():
@@ -833,7 +734,7 @@ def test_generation_defaults_fill_unset_options(bart_with_defaults):
         if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
     assert manifest.generation_defaults.unapplied(pad_token_id=1, eos_token_id=2) == []
     translator = Translator(out, intra_op_threads=1)
-    tokenizer = auto_tokenizer(directory)
+    tokenizer = hh.auto_tokenizer(directory)
     texts = fh.sentences(12, seed=24)
     batch = tokenizer(texts, return_tensors="pt", padding=True)
     with torch.no_grad():
@@ -927,22 +828,6 @@ def test_cache_snapshot_is_named_after_its_repository(checkpoints, tmp_path):
     assert (out / "tokenizer.json").is_file() and not (out / "tokenizer.json").is_symlink()
 
 
-def copy_checkpoint(checkpoints, tmp_path: Path, name: str) -> Path:
-    target = tmp_path / f"copy-{name}"
-    shutil.copytree(checkpoints[name][0], target)
-    return target
-
-
-def edit_json(path: Path, **changes) -> None:
-    data = json.loads(path.read_text(encoding="utf-8"))
-    for key, value in changes.items():
-        if value is None:
-            data.pop(key, None)
-        else:
-            data[key] = value
-    path.write_text(json.dumps(data), encoding="utf-8")
-
-
 @pytest.mark.parametrize("name, file, changes, message", [
     ("bart", "config.json", dict(normalize_before=True),
      "normalize_before=true (pre-norm layers) is not how transformers runs model_type 'bart'"),
@@ -966,8 +851,8 @@ def edit_json(path: Path, **changes) -> None:
 ])
 def test_unsupported_checkpoints_are_refused_naming_the_field(name, file, changes, message,
                                                             checkpoints, tmp_path):
-    directory = copy_checkpoint(checkpoints, tmp_path, name)
-    edit_json(directory / file, **changes)
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, name)
+    hh.edit_json(directory / file, **changes)
     with pytest.raises(SourceError) as info:
         import_hf(directory)
     assert message in str(info.value)
@@ -979,7 +864,7 @@ def test_tokenizer_json_is_built_from_the_slow_files(name, checkpoints, exported
     merges.txt (BART): export builds tokenizer.json as AutoTokenizer builds it; the ids equal
     AutoTokenizer's on the directory as it is, and the model translates as the export of the
     checkpoint with its tokenizer.json."""
-    directory = copy_checkpoint(checkpoints, tmp_path, name)
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, name)
     (directory / "tokenizer.json").unlink()
     out = tmp_path / "out"
     assert export_main(["--from-hf", str(directory), "--out", str(out), "--quiet"]) == 0
@@ -992,7 +877,7 @@ def test_tokenizer_json_is_built_from_the_slow_files(name, checkpoints, exported
     strings = family_strings(name)
     source, targets = fh.LANGUAGES[name]
     for language in [source, *targets][:2] if source else [""]:
-        theirs = auto_tokenizer(directory, language)
+        theirs = hh.auto_tokenizer(directory, language)
         assert [ours.encode(s, language or None) for s in strings] == [
             theirs(s).input_ids for s in strings], (name, language)
     shipped = Manifest.load(exported[name])
@@ -1008,7 +893,7 @@ def test_the_older_sentencepiece_file_name_is_read(checkpoints, tmp_path):
     """mBART-cc25's checkpoints name their SentencePiece model sentence.bpe.model, which
     transformers' tokenizers do not read: export shows it to them under the name they read
     (before, AutoTokenizer built a tokenizer of the special tokens alone)."""
-    directory = copy_checkpoint(checkpoints, tmp_path, "mbart50")
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, "mbart50")
     (directory / "tokenizer.json").unlink()
     (directory / "sentencepiece.bpe.model").rename(directory / "sentence.bpe.model")
     # beside it, a dangling link under the name transformers reads and a link loop
@@ -1019,9 +904,9 @@ def test_the_older_sentencepiece_file_name_is_read(checkpoints, tmp_path):
     manifest = Manifest.load(out)
     assert "from sentence.bpe.model" in manifest.provenance["tokenizer"]
     ours = Tokenizer(out, manifest.tokenizer)
-    reference = copy_checkpoint(checkpoints, tmp_path / "reference", "mbart50")
+    reference = hh.copy_checkpoint(checkpoints, tmp_path / "reference", "mbart50")
     (reference / "tokenizer.json").unlink()  # AutoTokenizer on the file under its own name
-    theirs = auto_tokenizer(reference, "en_XX")
+    theirs = hh.auto_tokenizer(reference, "en_XX")
     strings = family_strings("mbart50")
     assert [ours.encode(s, "en_XX") for s in strings] == [theirs(s).input_ids
                                                            for s in strings]
@@ -1031,7 +916,7 @@ def test_a_tokenizer_built_without_its_vocabulary_is_refused(checkpoints, tmp_pa
     """Slow files transformers does not read for the family (a vocab.json beside an NLLB
     config): the tokenizer it builds holds the special tokens alone, and is refused against
     the model's vocab_size instead of exporting a model whose every word is <unk>."""
-    directory = copy_checkpoint(checkpoints, tmp_path, "nllb")
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, "nllb")
     (directory / "tokenizer.json").unlink()
     (directory / "sentencepiece.bpe.model").unlink()
     (directory / "vocab.json").write_text(json.dumps({"<s>": 0}), encoding="utf-8")
@@ -1043,7 +928,7 @@ def test_a_tokenizer_built_without_its_vocabulary_is_refused(checkpoints, tmp_pa
 
 def test_a_checkpoint_without_tokenizer_files_is_refused(checkpoints, tmp_path, capsys,
                                                          monkeypatch):
-    directory = copy_checkpoint(checkpoints, tmp_path, "nllb")
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, "nllb")
     (directory / "tokenizer.json").unlink()
     # without transformers, the message says what builds tokenizer.json
     monkeypatch.setitem(sys.modules, "transformers", None)
@@ -1062,7 +947,7 @@ def test_a_checkpoint_without_tokenizer_files_is_refused(checkpoints, tmp_path, 
 
 
 def test_stray_tensors_are_refused(checkpoints, tmp_path):
-    directory = copy_checkpoint(checkpoints, tmp_path, "bart")
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, "bart")
     from safetensors.torch import load_file, save_file
 
     path = directory / "model.safetensors"

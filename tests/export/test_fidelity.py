@@ -32,6 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only, never th
 transformers = pytest.importorskip("transformers")
 
 import family_helpers as fh  # noqa: E402
+import hf_import_helpers as hh  # noqa: E402
 import marian_helpers as mh  # noqa: E402
 import t5_helpers as th  # noqa: E402
 
@@ -103,7 +104,7 @@ def t5(tmp_path_factory) -> tuple[Path, Any, Any, Path]:
         with torch.no_grad():
             model.lm_head.weight[model.config.pad_token_id, 0] += PAD_BOOST
         model = resave(model, directory)
-        tokenizer = th.load_tokenizer(directory)
+        tokenizer = hh.auto_tokenizer(directory)
     return directory, model, tokenizer, export(directory, tmp_path_factory.mktemp("out") / "t5")
 
 

@@ -417,12 +417,12 @@ def test_t5_fp16_export_equals_fp32_where_ffn_outputs_exceed_fp16(t5_v11, tmp_pa
 def test_to_precision_keeps_only_the_configured_modules_in_fp32():
     """A model whose config keeps no module (every native model) is cast whole; float32
     casts every module back."""
-    from tests.exported import tiny_config
+    from tests.exported import demo_vocab_config
 
-    model = Seq2SeqTransformer(tiny_config()).to_precision(torch.float16)
+    model = Seq2SeqTransformer(demo_vocab_config()).to_precision(torch.float16)
     assert model.fp32_module_names() == []
     assert {p.dtype for p in model.parameters()} == {torch.float16}
-    config = tiny_config(extra={"keep_in_fp32_modules": ["ffn.fc2"]})
+    config = demo_vocab_config(extra={"keep_in_fp32_modules": ["ffn.fc2"]})
     model = Seq2SeqTransformer(config).to_precision(torch.float16)
     assert model.fp32_module_names() == [f"{stack}_layers.{i}.ffn.fc2"
                                          for stack in ("encoder", "decoder") for i in range(2)]

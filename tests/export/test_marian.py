@@ -36,6 +36,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only, never the hub
 transformers = pytest.importorskip("transformers")
 
+import hf_import_helpers as hh  # noqa: E402
 import marian_helpers as mh  # noqa: E402
 
 from export.cli import main as export_main  # noqa: E402
@@ -51,6 +52,7 @@ from tfserve.text.tokenizer import Tokenizer  # noqa: E402
 TOLERANCE = 1e-4
 MAX_NEW_TOKENS = 20
 LANGUAGE_CODES = (">>fr<<", ">>de<<")
+EXPORTED = ("a", "b")  # the checkpoints exported (tests/export/conftest.py)
 
 # name -> (weights layout, MarianConfig overrides); "a" is the opus-mt shape in miniature
 CHECKPOINTS = {
@@ -91,27 +93,6 @@ def checkpoints(tmp_path_factory, spm_models):
                                         seed=index, **overrides)
         built[name] = (directory, model)
     return built
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizers(checkpoints):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {name: transformers.MarianTokenizer.from_pretrained(str(directory))
-                for name, (directory, _) in checkpoints.items()}
-
-
-@pytest.fixture(scope="module")
-def exported(checkpoints, tmp_path_factory):
-    """name -> artifacts directory written by `python -m export --from-hf` (a and b)."""
-    out = {}
-    for name in ("a", "b"):
-        target = tmp_path_factory.mktemp("artifacts") / name
-        code = export_main(["--from-hf", str(checkpoints[name][0]), "--out", str(target),
-                            "--quiet"])
-        assert code == 0, f"export of checkpoint {name} failed with exit code {code}"
-        out[name] = target
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -566,23 +547,6 @@ def test_corrupted_graph_fails_the_parity_check(large_logits, tmp_path, monkeypa
 # -- refusals -------------------------------------------------------------------------------
 
 
-def copy_checkpoint(checkpoints, tmp_path: Path, name: str = "a") -> Path:
-    target = tmp_path / f"copy-{name}"
-    shutil.copytree(checkpoints[name][0], target)
-    return target
-
-
-def edit_config(directory: Path, **changes) -> None:
-    path = directory / "config.json"
-    config = json.loads(path.read_text(encoding="utf-8"))
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    path.write_text(json.dumps(config), encoding="utf-8")
-
-
 def run_cli(directory: Path, tmp_path: Path, capsys) -> tuple[int, str]:
     code = export_main(["--from-hf", str(directory), "--out", str(tmp_path / "out"), "--quiet"])
     err = capsys.readouterr().err
@@ -591,8 +555,8 @@ def run_cli(directory: Path, tmp_path: Path, capsys) -> tuple[int, str]:
 
 
 def test_cli_refuses_a_non_marian_checkpoint(checkpoints, tmp_path, capsys):
-    directory = copy_checkpoint(checkpoints, tmp_path)
-    edit_config(directory, model_type="bert", architectures=["BertModel"])
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, "a")
+    hh.edit_json(directory / "config.json", model_type="bert", architectures=["BertModel"])
     code, err = run_cli(directory, tmp_path, capsys)
     assert code == 2
     assert err.count("\n") == 1
@@ -604,7 +568,7 @@ def test_cli_refuses_a_non_marian_checkpoint(checkpoints, tmp_path, capsys):
 @pytest.mark.parametrize("missing", ["directory", "config.json", "model.safetensors",
                                      "source.spm", "target.spm", "vocab.json"])
 def test_cli_names_the_missing_file(missing, checkpoints, tmp_path, capsys):
-    directory = copy_checkpoint(checkpoints, tmp_path)
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, "a")
     if missing == "directory":
         shutil.rmtree(directory)
     else:
@@ -638,8 +602,8 @@ def test_cli_names_the_missing_file(missing, checkpoints, tmp_path, capsys):
 ])
 def test_unsupported_config_is_refused_naming_the_field(changes, message, checkpoints,
                                                          tmp_path):
-    directory = copy_checkpoint(checkpoints, tmp_path)
-    edit_config(directory, **changes)
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, "a")
+    hh.edit_json(directory / "config.json", **changes)
     with pytest.raises(SourceError, match=None) as info:
         import_hf(directory)
     assert message in str(info.value)
@@ -655,8 +619,8 @@ def rewrite_weights(directory: Path, change) -> None:
 
 
 def test_separate_embedding_tables_are_refused(checkpoints, tmp_path):
-    directory = copy_checkpoint(checkpoints, tmp_path)
-    edit_config(directory, share_encoder_decoder_embeddings=False)
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, "a")
+    hh.edit_json(directory / "config.json", share_encoder_decoder_embeddings=False)
 
     def split(state):
         table = state.pop("model.shared.weight")
@@ -671,8 +635,8 @@ def test_separate_embedding_tables_are_refused(checkpoints, tmp_path):
 
 def test_same_tables_without_sharing_are_accepted(checkpoints, tmp_path):
     directory, model = checkpoints["a"]
-    copy = copy_checkpoint(checkpoints, tmp_path)
-    edit_config(copy, share_encoder_decoder_embeddings=False)
+    copy = hh.copy_checkpoint(checkpoints, tmp_path, "a")
+    hh.edit_json(copy / "config.json", share_encoder_decoder_embeddings=False)
 
     def split(state):
         table = state.pop("model.shared.weight")
@@ -691,7 +655,7 @@ def test_same_tables_without_sharing_are_accepted(checkpoints, tmp_path):
 ])
 def test_unexpected_or_conflicting_tensors_are_refused(extra_key, message, checkpoints,
                                                        tmp_path):
-    directory = copy_checkpoint(checkpoints, tmp_path)
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, "a")
     shape = {"model.encoder.layer_norm.weight": (24,),
              "model.encoder.embed_positions.weight": (64, 24)}.get(extra_key)
 
@@ -706,14 +670,14 @@ def test_unexpected_or_conflicting_tensors_are_refused(extra_key, message, check
 
 
 def test_unreadable_pytorch_bin_is_refused(checkpoints, tmp_path):
-    directory = copy_checkpoint(checkpoints, tmp_path, "b")
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, "b")
     (directory / "pytorch_model.bin").write_bytes(b"not a checkpoint")
     with pytest.raises(SourceError, match="cannot read weights file .*pytorch_model.bin"):
         import_hf(directory)
 
 
 def test_separate_vocabularies_are_refused(checkpoints, tmp_path):
-    directory = copy_checkpoint(checkpoints, tmp_path)
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, "a")
     shutil.copy(directory / "vocab.json", directory / "target_vocab.json")
     with pytest.raises(SourceError, match="separate source/target vocabularies"):
         import_hf(directory)

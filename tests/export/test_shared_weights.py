@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from export.cli import main as export_main
-from tests.exported import DEMO_VOCAB_FILES, WORK, tiny_config
+from tests.exported import DEMO_VOCAB_FILES, WORK, demo_vocab_config
 from tfserve.demo import CHECKPOINT_DIR
 from tfserve.generation import DecodingOptions
 from tfserve.generation.batch import generate
@@ -50,8 +50,8 @@ SHARED = "shared_weights.data"
 def checkpoint() -> Path:
     """A random sinusoidal post-norm model with tied embeddings, the demo's tokenizer."""
     torch.manual_seed(0)
-    config = tiny_config("sinusoidal", "post", vocab_size=VOCAB, d_model=D_MODEL,
-                         num_heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=128,
+    config = demo_vocab_config("sinusoidal", "post", vocab_size=VOCAB, d_model=D_MODEL,
+                               num_heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=128,
                          name="tiny-tied")
     assert config.tie_word_embeddings
     directory = WORK / "ckpt-tied"

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,6 +34,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only, never the hub
 transformers = pytest.importorskip("transformers")
 
+import hf_import_helpers as hh  # noqa: E402
 import t5_helpers as th  # noqa: E402
 from gpu_helpers import MIN_IDENTICAL, cuda_agreement, needs_cuda  # noqa: E402
 from test_marian import tokenizer_strings  # noqa: E402
@@ -44,18 +43,15 @@ from export.cli import main as export_main  # noqa: E402
 from export.importers import import_hf  # noqa: E402
 from export.importers.t5 import t5_key_map  # noqa: E402
 from export.sources import SourceError  # noqa: E402
-from export.verify import relative_diff  # noqa: E402
 from tfserve.artifacts.model_config import ConfigError, ModelConfig  # noqa: E402
-from tfserve.generation import DecodingOptions, make_search  # noqa: E402
-from tfserve.generation.batch import DecodeBatch, Joining, generate  # noqa: E402
+from tfserve.generation import DecodingOptions  # noqa: E402
+from tfserve.generation.batch import generate  # noqa: E402
 from tfserve.model import Seq2SeqTransformer  # noqa: E402
 from tfserve.model.eager import EagerBackend  # noqa: E402
 from tfserve.model.positions import RelativePositionBias  # noqa: E402
-from tfserve.runtime import Runtime  # noqa: E402
 from tfserve.text.tokenizer import Tokenizer  # noqa: E402
 from tfserve.translator import Translator  # noqa: E402
 
-RELATIVE_TOLERANCE = 1e-5  # |ours - transformers| / the row's largest |logit|
 MAX_NEW_TOKENS = 24  # beyond every checkpoint's max distance: far buckets are decoded too
 
 # name -> write_checkpoint arguments
@@ -94,37 +90,6 @@ def checkpoints(tmp_path_factory, spiece):
             built[name] = (directory, th.write_checkpoint(directory, spiece, seed=index,
                                                           **arguments))
     return built
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizers(checkpoints):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {name: th.load_tokenizer(directory) for name, (directory, _) in
-                checkpoints.items()}
-
-
-@pytest.fixture(scope="module")
-def exported(checkpoints, tmp_path_factory):
-    """name -> artifacts directory written by `python -m export --from-hf`."""
-    out = {}
-    for name in EXPORTED:
-        target = tmp_path_factory.mktemp("artifacts") / name
-        code = export_main(["--from-hf", str(checkpoints[name][0]), "--out", str(target),
-                            "--quiet"])
-        assert code == 0, f"export of checkpoint {name} failed with exit code {code}"
-        out[name] = target
-    return out
-
-
-@pytest.fixture(scope="module")
-def runtimes(exported):
-    return {name: Runtime(path, intra_op_threads=1) for name, path in exported.items()}
-
-
-@pytest.fixture(scope="module")
-def imported(checkpoints):
-    return {name: import_hf(directory).model for name, (directory, _) in checkpoints.items()}
 
 
 def source_batch(hf_tokenizer, count: int, seed: int):
@@ -318,24 +283,9 @@ def teacher_forced(checkpoint, hf_tokenizer, count: int = 6, length: int = 30, s
     _, model = checkpoint
     _, batch = source_batch(hf_tokenizer, count, seed)
     assert batch["input_ids"].shape[1] > 2 * model.config.relative_attention_max_distance
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, model.config.vocab_size, (count, length), generator=gen)
-    ids[:, 0] = 0
-    mask = torch.ones_like(ids)
-    for row in range(1, count):
-        mask[row, length - 3 * row:] = 0
-        ids[row, length - 3 * row:] = 0
-    with torch.no_grad():
-        expected = model(**batch, decoder_input_ids=ids, decoder_attention_mask=mask).logits
-    return batch, ids, mask, expected
-
-
-def assert_logits_close(got, expected, keep, what: str) -> None:
-    got, expected = np.asarray(got)[keep], np.asarray(expected)[keep]
-    diff = relative_diff(got, expected)
-    print(f"{what}: max |logits diff| / row scale vs transformers {diff:.2e}")
-    assert diff < RELATIVE_TOLERANCE, what
-    assert float(expected.std()) > 0.5  # the comparison is not between near-constants
+    # T5 starts decoding from pad (0)
+    assert model.config.decoder_start_token_id == model.config.pad_token_id == 0
+    return (batch, *hh.teacher_forced(model, batch, 3, model.config.vocab_size, length, seed))
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
@@ -343,33 +293,17 @@ def test_eager_logits_match_transformers(name, checkpoints, hf_tokenizers, impor
     batch, ids, mask, expected = teacher_forced(checkpoints[name], hf_tokenizers[name])
     with torch.no_grad():
         got = imported[name](batch["input_ids"], batch["attention_mask"], ids, mask)
-    assert_logits_close(got.numpy(), expected.numpy(), mask.bool().numpy(), f"{name} eager")
+    hh.assert_logits_close(got.numpy(), expected.numpy(), mask.bool().numpy(),
+                           f"{name} eager")
 
 
 @pytest.mark.parametrize("name", EXPORTED)
 def test_onnx_logits_match_transformers(name, checkpoints, hf_tokenizers, runtimes):
     """All decoder inputs in one step, then one token per step through the KV cache: the
     relative bias of each new query against every cached key."""
-    runtime = runtimes[name]
     batch, ids, mask, expected = teacher_forced(checkpoints[name], hf_tokenizers[name])
-    source_ids, source_mask = batch["input_ids"].numpy(), batch["attention_mask"].numpy()
-    keep = mask.bool().numpy()
-    _, cross = runtime.encode(source_ids, source_mask)
-    rows, length = ids.shape
-    positions = np.broadcast_to(np.arange(length), (rows, length))
-    got = runtime.step(ids.numpy(), positions, mask.numpy(), source_mask,
-                       runtime.empty_past(rows), cross).logits
-    assert_logits_close(got, expected.numpy(), keep, f"{name} ONNX, all at once")
-    past, steps = runtime.empty_past(rows), []
-    for t in range(length):
-        out = runtime.step(ids[:, t: t + 1].numpy(), np.full((rows, 1), t, np.int64),
-                           np.ones((rows, t + 1), np.int64), source_mask, past, cross)
-        past = out.present
-        steps.append(out.logits)
-    full = np.ones_like(keep)  # step by step, no decoder padding: compare every position
-    with torch.no_grad():
-        expected = checkpoints[name][1](**batch, decoder_input_ids=ids).logits.numpy()
-    assert_logits_close(np.concatenate(steps, axis=1), expected, full, f"{name} ONNX, cached")
+    hh.assert_onnx_logits_close(runtimes[name], checkpoints[name][1], batch, ids, mask,
+                                expected, name)
 
 
 def test_graphs_take_any_length(runtimes):
@@ -453,30 +387,12 @@ def test_continuous_batch_rows_at_different_positions(name, searches, runtimes):
     join a running batch in groups of 10 at steps 0, 3, 7, 11 and 16, so its rows sit at
     different positions with holes in front of the late ones' caches; every source gets
     generate's answer."""
-    runtime = runtimes[name]
     batch, expected = searches[name]
-    rows = list(range(50))
-    sources = [[int(t) for t, m in zip(ids, mask) if m] for ids, mask in
-               zip(batch["input_ids"].tolist(), batch["attention_mask"].tolist())]
-    modes = {row: "beam4" if row % 2 else "greedy" for row in rows}
-    joins = {step: rows[10 * i: 10 * i + 10] for i, step in enumerate((0, 3, 7, 11, 16))}
-    decode = DecodeBatch(runtime)
-    results: dict[int, list[int]] = {}
-    step = 0
-    while step < 200 and (len(results) < len(rows)):
-        if step in joins:
-            group = joins[step]
-            ids, mask = runtime.tokenizer.pad_batch([sources[r] for r in group])
-            _, cross = runtime.encode(ids, mask)
-            searches_ = [make_search(options(modes[r]).validate(511), runtime.eos_token_id,
-                                     runtime.decoder_start_token_id) for r in group]
-            decode.join([Joining(searches_, group, cross, mask)])
-        for tag, search in decode.step():
-            assert search.error is None
-            results[tag] = search.results()[0].token_ids
-        step += 1
-    assert {row: results[row] for row in rows} == {row: expected[modes[row]][row]
-                                                   for row in rows}
+    modes, results = hh.continuous_batch(
+        runtimes[name], batch,
+        lambda row, beams: options("beam4" if beams == 4 else "greedy").validate(511))
+    assert len(modes) == 50
+    hh.assert_each_gets_its_own_answer(modes, results, expected)
 
 
 # -- embeddings and the text API ------------------------------------------------------------
@@ -492,7 +408,7 @@ def test_mean_pooling_matches_t5_encoder_model(name, checkpoints, exported):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         encoder = encoder_class.from_pretrained(str(directory)).eval()
-    tokenizer = th.load_tokenizer(directory)
+    tokenizer = hh.auto_tokenizer(directory)
     texts, batch = source_batch(tokenizer, 12, seed=9)
     with torch.no_grad():
         hidden = encoder(**batch).last_hidden_state  # [B,S,D]
@@ -540,23 +456,6 @@ def test_task_prefixes_and_language_tokens_through_the_translator(checkpoints, e
 # -- refusals -------------------------------------------------------------------------------
 
 
-def copy_checkpoint(checkpoints, tmp_path: Path, name: str = "v10") -> Path:
-    target = tmp_path / f"copy-{name}"
-    shutil.copytree(checkpoints[name][0], target)
-    return target
-
-
-def edit_config(directory: Path, **changes) -> None:
-    path = directory / "config.json"
-    config = json.loads(path.read_text(encoding="utf-8"))
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    path.write_text(json.dumps(config), encoding="utf-8")
-
-
 @pytest.mark.parametrize("changes, message", [
     (dict(architectures=["T5EncoderModel"]), "T5EncoderModel"),
     (dict(is_encoder_decoder=False), "is_encoder_decoder is False"),
@@ -571,22 +470,22 @@ def edit_config(directory: Path, **changes) -> None:
 ])
 def test_unsupported_config_is_refused_naming_the_field(changes, message, checkpoints,
                                                          tmp_path):
-    directory = copy_checkpoint(checkpoints, tmp_path)
-    edit_config(directory, **changes)
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, "v10")
+    hh.edit_json(directory / "config.json", **changes)
     with pytest.raises(SourceError) as info:
         import_hf(directory)
     assert message in str(info.value)
 
 
 def test_missing_tokenizer_and_stray_tensors_are_refused(checkpoints, tmp_path, capsys):
-    directory = copy_checkpoint(checkpoints, tmp_path)
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, "v10")
     for file in ("tokenizer.json", "spiece.model"):
         (directory / file).unlink()
     code = export_main(["--from-hf", str(directory), "--out", str(tmp_path / "out"), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "T5 tokenizer not found" in err and "spiece.model" in err
-    directory = copy_checkpoint(checkpoints, tmp_path, "mt5")
+    directory = hh.copy_checkpoint(checkpoints, tmp_path, "mt5")
     from safetensors.torch import load_file, save_file
 
     path = directory / "model.safetensors"

@@ -24,6 +24,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only, never the hub
 transformers = pytest.importorskip("transformers")
 
+import hf_import_helpers as hh  # noqa: E402
 import t5_helpers as th  # noqa: E402
 from gpu_helpers import needs_cuda  # noqa: E402
 from server_helpers import ServerThread, free_port  # noqa: E402
@@ -62,7 +63,7 @@ def encoders(tmp_path_factory):
 
 def reference(encoder, directory: Path, texts: list[str]):
     """transformers' hidden states [B,S,D], attention mask [B,S] and mean pooling [B,D]."""
-    tokenizer = th.load_tokenizer(directory)
+    tokenizer = hh.auto_tokenizer(directory)
     batch = tokenizer(texts, return_tensors="pt", padding=True)
     with torch.no_grad():
         hidden = encoder(**batch).last_hidden_state
