@@ -81,15 +81,17 @@ def _free_port() -> int:
 
 
 class Server:
-    """`python -m tfserve serve ...` on a port of its own, quiet (warnings only)."""
+    """`python -m tfserve serve ...` on a port of its own, quiet (warnings only); with
+    `http`, its HTTP front end on another (`http_port`), else none."""
 
-    def __init__(self, flags: Sequence[str], threads: int) -> None:
+    def __init__(self, flags: Sequence[str], threads: int, http: bool = False) -> None:
         self.port = _free_port()
         self.target = f"127.0.0.1:{self.port}"
+        self.http_port = _free_port() if http else 0
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tfserve", "serve", *flags, "--host", "127.0.0.1",
-             "--port", str(self.port), "--metrics-port", "0", "--http-port", "0", "--threads",
-             str(threads), "--log-level", "warning"],
+             "--port", str(self.port), "--metrics-port", "0", "--http-port",
+             str(self.http_port), "--threads", str(threads), "--log-level", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def wait_serving(self, timeout: float = 300.0) -> None:

@@ -36,7 +36,9 @@ class Entry:
     """One model of a repository as found on disk.
 
     `manifest_error` is why its model.json could not be read ("" when it could): the entry is
-    still listed, and loading it fails with that reason.
+    still listed, and loading it fails with that reason. `encoder_only`: an encoder model
+    (decoder_layers 0), which answers Encode only (the inference protocol's front end reads
+    it to map a request before the model loads).
     """
 
     name: str
@@ -47,6 +49,7 @@ class Entry:
     source_language: str = ""
     target_language: str = ""
     manifest_error: str = ""
+    encoder_only: bool = False
 
 
 def read_entry(name: str, path: Path) -> Entry:
@@ -70,7 +73,8 @@ def read_entry(name: str, path: Path) -> Entry:
         return Entry(name, path, digest.hexdigest()[:VERSION_CHARS], total,
                      manifest_error=str(exc))  # it names the file
     return Entry(name, path, digest.hexdigest()[:VERSION_CHARS], total, config.name,
-                 config.source_language, config.target_language)
+                 config.source_language, config.target_language,
+                 encoder_only=bool(config.encoder_only))
 
 
 def relative_paths(text: str, entry: Entry, repository: Path | None) -> str:
