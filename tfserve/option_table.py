@@ -90,7 +90,7 @@ class Option:
             return ""
         if self.high is None:
             return f">= {self.low}"
-        return f"in {'(' if self.low_open else '['}{self.low}, {_bound(self.high)}]"
+        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}]"
 
     @property
     def default_text(self) -> str:
@@ -115,11 +115,6 @@ class Option:
         """The help with its range and default: the CLI's help, the schema's description."""
         limits = f"{self.limits_text}; " if self.high is not None else ""
         return f"{self.help} ({limits}default: {self.default_text})"
-
-
-def _bound(value: float) -> str:
-    """A bound as text: the largest int64 as 2^63 - 1, any other number as Python writes it."""
-    return "2^63 - 1" if value == MAX_SEED else str(value)
 
 
 # In the order the CLI lists them; every option the searches read is here. prefix_token_ids,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import urllib.error
 import urllib.request
@@ -332,10 +333,46 @@ def test_inputs_checked_before_sending(page: Page) -> None:
     page.mode("sample")
     page.fill("seed", "-3")
     page.translate(TEXT)
-    assert page.text("#error") == "Seed must be a whole number in [0, 2^63), got -3"
+    assert page.text("#error") == "Seed must be a whole number >= 0, got -3"
     assert page.driver.find_elements(By.ID, "row-0") == []  # nothing was sent
     page.translate("")
     assert page.text("#error") == "Type a text to translate (one per line)."
+
+
+def test_each_option_the_server_takes_has_its_control(page: Page, served: Served) -> None:
+    """The page builds its decoding controls from the server's schema of DecodingOptions
+    (GET /openapi.json, from tfserve.option_table): one per option but doSample (the mode
+    itself), labelled with its title, shown in the modes whose search reads it."""
+    with urllib.request.urlopen(served.url + "openapi.json", timeout=60) as answer:
+        document = json.loads(answer.read())
+    properties = document["components"]["schemas"]["DecodingOptions"]["properties"]
+    assert len(properties) > 10
+    for mode in ("greedy", "beam", "sample"):
+        page.mode(mode)
+        for key, schema in properties.items():
+            if key == "doSample":
+                continue
+            element_id = re.sub("[A-Z]", lambda letter: f"-{letter.group().lower()}", key)
+            searches = schema["x-tfserve-searches"]
+            shown = page.element(f"#{element_id}").is_displayed()
+            assert shown == (not searches or mode in searches), (mode, key)
+            label = page.element(f'label[for="{element_id}"]')
+            assert label.get_attribute("textContent").strip() == schema["title"], key
+
+
+def test_the_controls_of_every_search_reach_the_server(page: Page, served: Served) -> None:
+    """Options every search reads (the repetition controls, min new tokens) go with a greedy
+    translation: the page shows what the gRPC API answers for the same options."""
+    for element_id, value in (("min-new-tokens", "2"), ("repetition-penalty", "1.5"),
+                              ("no-repeat-ngram-size", "2")):
+        page.fill(element_id, value)
+    page.translate(TEXT)
+    page.wait_rows(1)
+    with served.client() as client:
+        [[best]] = client.translate_hypotheses([TEXT], num_beams=1, min_new_tokens=2,
+                                               repetition_penalty=1.5, no_repeat_ngram_size=2)
+    assert page.translation(0) == best.text != ""
+    assert page.meta(0) == describe(len(best.token_ids), best.score)
 
 
 # a body in every form the event-stream format allows: \r\n, \r and \n line ends, a comment,

@@ -57,8 +57,7 @@ def check_options(options: Sequence[option_table.Option] | None = None,
         if found.is_repeated or found.type not in _WIRE_TYPES[declared.type]:
             kind = FieldDescriptorProto.Type.Name(found.type).removeprefix("TYPE_").lower()
             raise ValueError(f"decoding option {declared.name} is a {declared.type.__name__}, "
-                             f"but {where} is {'a repeated ' if found.is_repeated else 'a '}"
-                             f"{kind}")
+                             f"but {where} is {'repeated ' if found.is_repeated else ''}{kind}")
     names = {declared.name for declared in options}
     undeclared = [found.name for found in descriptor.fields if found.name not in names]
     if undeclared:

@@ -158,7 +158,8 @@ def option_schemas(config: ServerConfig) -> dict[str, dict[str, Any]]:
     playground, which builds its controls from them: x-tfserve-searches (the searches that
     read it), x-tfserve-default (the value the server takes where neither the request nor
     the model sets one: not JSON schema's `default`, which would be the value of every
-    request that leaves it out) and x-tfserve-example (a typical value)."""
+    request that leaves it out), x-tfserve-off (true where that default turns the option
+    off) and x-tfserve-example (a typical value)."""
     descriptor = pb2.DecodingOptions.DESCRIPTOR
     schemas: dict[str, dict[str, Any]] = {}
     for declared in option_table.OPTIONS:
@@ -170,6 +171,8 @@ def option_schemas(config: ServerConfig) -> dict[str, dict[str, Any]]:
                                ("x-tfserve-example", declared.example)):
             if value is not None:
                 schema[keyword] = value
+        if declared.off:
+            schema["x-tfserve-off"] = True
         if declared.low is not None:
             zero_is_default = not found.has_presence and declared.low > 0
             schema["minimum"] = 0 if zero_is_default else declared.low
