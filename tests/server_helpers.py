@@ -126,31 +126,72 @@ class ServerThread:
 
         with ServerThread(server_args(model, "--max-batch-size", "8")) as server:
             Client(server.target) ...
-            server.scheduler.test_hook = ...
+            with Gate(server.scheduler) as gate: ...
     """
 
     def __init__(self, argv: Sequence[str], runtime: Any | None = None) -> None:
-        from tfserve.serving.frontends import TranslatorServer
+        from tfserve.server.translator_server import TranslatorServer
         from tfserve.serving.settings import parse_config
 
         self.config = parse_config(list(argv), environ={})
         self.server = TranslatorServer(self.config, runtime)
-        self.scheduler = self.server.scheduler
-        self.metrics = self.server.metrics
+        self.core = self.server.core
+        self.repository = self.core.repository
+        self.metrics = self.core.metrics
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="test-server", daemon=True)
 
+    # the default model's parts while it is loaded (a one-model server's)
+    @property
+    def model(self) -> Any:
+        model = self.repository.loaded()
+        assert model is not None, "the default model is not loaded"
+        return model
+
+    @property
+    def runtime(self) -> Any:
+        return self.model.runtime
+
+    @property
+    def scheduler(self) -> Any:
+        return self.model.scheduler
+
+    @property
+    def in_flight(self) -> int:
+        """The calls in flight, of every front end."""
+        return int(self.core.calls.in_flight)
+
+    def front_end(self, kind: type) -> Any:
+        """The server's front end of class `kind` (GrpcServer, HttpServer); None when off."""
+        return next((front_end for front_end in self.server.front_ends
+                     if isinstance(front_end, kind)), None)
+
+    @property
+    def port(self) -> int:
+        """The gRPC port."""
+        return int(self.server.ports()["port"])
+
+    @property
+    def http_port(self) -> int:
+        """The HTTP port (0: HTTP is off)."""
+        return int(self.server.ports().get("http_port", 0))
+
+    @property
+    def metrics_port(self) -> int:
+        """The metrics port (0: none)."""
+        return int(self.core.metrics_port)
+
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.server.port}"
+        return f"127.0.0.1:{self.port}"
 
     @property
     def http_url(self) -> str:
         """The HTTP API's base URL (with --http-port)."""
-        return f"http://127.0.0.1:{self.server.http_port}"
+        return f"http://127.0.0.1:{self.http_port}"
 
     def _run(self) -> None:
         async def main() -> None:

@@ -593,7 +593,7 @@ def test_healthcheck_script_against_a_live_server(random_model: Path) -> None:
     env = dict(os.environ, TFSERVE_HOST="127.0.0.1")
     env.pop("TFSERVE_TLS_CERT", None)
     with ServerThread(server_args(random_model)) as server:
-        port = str(server.server.port)
+        port = str(server.port)
         ok = subprocess.run([*script, "--port", port], capture_output=True, text=True,
                             env=env, timeout=60)
         assert ok.returncode == 0, ok.stderr
@@ -601,7 +601,9 @@ def test_healthcheck_script_against_a_live_server(random_model: Path) -> None:
         whole = subprocess.run([*script, "--port", port, "--service", ""],
                                capture_output=True, text=True, env=env, timeout=60)
         assert whole.returncode == 0, whole.stderr
-        server.run_on_loop(server.server.health.enter_graceful_shutdown)
+        from tfserve.frontends.grpc_server import GrpcServer
+
+        server.run_on_loop(server.front_end(GrpcServer).health.enter_graceful_shutdown)
         draining = subprocess.run([*script, "--port", port], capture_output=True, text=True,
                                   env=env, timeout=60)
         assert draining.returncode == 1 and "NOT_SERVING" in draining.stdout
@@ -621,7 +623,7 @@ def test_healthcheck_script_over_tls(random_model: Path, tmp_path: Path) -> None
     with ServerThread(server_args(random_model, "--tls-cert", str(cert), "--tls-key", str(key),
                                   "--auth-token", "secret")) as server:
         ok = subprocess.run([sys.executable, str(DOCKER / "healthcheck.py"), "--port",
-                             str(server.server.port)], capture_output=True, text=True, env=env,
+                             str(server.port)], capture_output=True, text=True, env=env,
                             timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert "SERVING" in ok.stdout

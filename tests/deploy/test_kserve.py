@@ -201,7 +201,7 @@ def _ports(container: dict[str, Any]) -> dict[str, int]:
 
 
 def _http_routes() -> dict[str, Any]:
-    from tfserve.serving.http_api import ROUTES
+    from tfserve.frontends.http_api import ROUTES
 
     return {route.operation.path: route for route in ROUTES if route.operation.method == "GET"}
 

@@ -360,8 +360,8 @@ def test_wheel_ships_the_stubs_and_needs_no_build_tools(built: Built, work: Path
     assert {f"{STUB_DIR}/{name}" for name in STUBS} <= names
     assert "tfserve/proto/tfserve/SOURCE_SHA256" in names
     # the HTTP front end's page (GET /), with whatever else its directory holds
-    static = ROOT / "tfserve" / "serving" / "static"
-    assert {f"tfserve/serving/static/{path.name}" for path in static.glob("*")
+    static = ROOT / "tfserve" / "frontends" / "static"
+    assert {f"tfserve/frontends/static/{path.name}" for path in static.glob("*")
             if path.is_file()} <= names
     # nothing at the top level but tfserve's own packages (no `proto/` of its own)
     tops = {name.split("/")[0] for name in names}

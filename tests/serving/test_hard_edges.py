@@ -172,7 +172,7 @@ def test_request_ids_are_checked_before_any_work(server: ServerThread, request_i
 
 def test_a_huge_text_is_refused_by_its_length_without_tokenizing(
         server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
-    tokenizer = server.server.runtime.tokenizer
+    tokenizer = server.runtime.tokenizer
     seen: list[int] = []
     real_encode = tokenizer.encode_text  # what the server tokenizes a text's own words with
     monkeypatch.setattr(tokenizer, "encode_text", lambda text: seen.append(len(text)) or
@@ -433,7 +433,7 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(tmp_path: Path,
     args = server_args(model, "--tls-cert", str(files["server.pem"]), "--tls-key",
                        str(files["server.key"]), "--tls-client-ca", str(files["ca.pem"]))
     with ServerThread(args) as secure:
-        target = f"localhost:{secure.server.port}"
+        target = f"localhost:{secure.port}"
         payload = pb2.TranslateRequest(texts=["seven"], options=pb2.DecodingOptions(
             max_new_tokens=2)).SerializeToString()
         ca = files["ca.pem"].read_bytes()
@@ -462,8 +462,8 @@ def test_metrics_bind_their_own_host_and_answer_only_on_metrics(model: Path) -> 
             "127.0.0.1", "--metrics-port", str(port), "--http-port", "0", "--threads", "1",
             "--log-level", "warning"]
     with ServerThread(args) as running:
-        assert running.server.metrics._http.server_address[0] == "127.0.0.1"
-        url = f"http://127.0.0.1:{running.server.metrics_port}"
+        assert running.metrics._http.server_address[0] == "127.0.0.1"
+        url = f"http://127.0.0.1:{running.core.metrics_port}"
         assert b"tfserve_requests_total" in urllib.request.urlopen(f"{url}/metrics").read()
         for path in ("/healthz", "/v2/health/ready", "/"):
             with pytest.raises(urllib.error.HTTPError) as raised:
@@ -524,7 +524,7 @@ def test_large_requests_are_tokenized_off_the_event_loop(
         server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    tokenizer = server.server.runtime.tokenizer
+    tokenizer = server.runtime.tokenizer
     threads: list[tuple[int, str]] = []
     real_encode = tokenizer.encode_text  # what the server tokenizes a text's own words with
 

@@ -37,9 +37,10 @@ from server_helpers import (
 from test_server import BAD_REQUESTS, past_every_deadline
 
 from tfserve.client import Client, encode_request, translate_request
+from tfserve.frontends.http_api import STATIC_ROUTE
+from tfserve.frontends.http_server import HttpServer
 from tfserve.proto import translator_pb2 as pb2
 from tfserve.proto import translator_pb2_grpc as pb2_grpc
-from tfserve.serving.http_api import STATIC_ROUTE
 
 TEXTS = ["seven", "twenty-one", "three hundred and forty-two", "eight thousand and five"]
 JSON = ("Content-Type", "application/json")
@@ -475,7 +476,7 @@ def test_client_disconnect_cancels_the_stream(server: ServerThread) -> None:
         # socket too)
         connection.sock.shutdown(socket.SHUT_RDWR)
         connection.close()
-        server.wait_until(lambda: server.server.in_flight == 0)  # the server let it go
+        server.wait_until(lambda: server.in_flight == 0)  # the server let it go
         assert server.metrics.value("tfserve_requests_total", {
             "rpc": "TranslateStream", "code": "CANCELLED"}) == cancelled + 1
         gate.open()
@@ -535,7 +536,7 @@ def test_health_and_readiness_through_a_drain(random_model: Path, runtime: Any) 
                                     as_json(translate_request(["seven"], max_new_tokens=5)))
             gate.wait_held()
             drain = pool.submit(running.run_on_loop, running.server.drain, 60)
-            running.wait_until(lambda: running.server.draining)
+            running.wait_until(lambda: running.core.calls.draining)
             for path in ("/readyz", "/v2/health/ready"):
                 answer = request(url, "GET", path)
                 assert answer.status == 503 and answer.error()[0] == "UNAVAILABLE", path
@@ -559,7 +560,7 @@ def test_openapi_documents_every_route(server: ServerThread) -> None:
     assert document["openapi"].startswith("3.")
     documented = {(method.upper(), path) for path, item in document["paths"].items()
                   for method in item}
-    app = server.server.http.app
+    app = server.front_end(HttpServer).app
     routes = {(route.method, route.resource.canonical) for route in app.router.routes()}
     static = {(method, path) for method, path in routes if path in ("/", STATIC_ROUTE)}
     assert documented == routes - static
@@ -590,7 +591,7 @@ def test_tls_and_mutual_tls(random_model: Path, runtime: Any, tmp_path: Path) ->
     body = as_json(translate_request(["seven"], max_new_tokens=2))
     trusting = ssl.create_default_context(cafile=str(files["ca.pem"]))
     with ServerThread(args, runtime=runtime) as running:
-        url = f"https://localhost:{running.server.http_port}"
+        url = f"https://localhost:{running.http_port}"
         assert request(url, "POST", "/v1/translate", body, context=trusting).status == 200
         with pytest.raises(ssl.SSLError):  # a client that does not trust the CA
             request(url, "GET", "/healthz", context=ssl.create_default_context())
@@ -598,7 +599,7 @@ def test_tls_and_mutual_tls(random_model: Path, runtime: Any, tmp_path: Path) ->
             request(running.http_url, "GET", "/healthz")
     mutual = [*args, "--tls-client-ca", str(files["ca.pem"])]
     with ServerThread(mutual, runtime=runtime) as running:
-        url = f"https://localhost:{running.server.http_port}"
+        url = f"https://localhost:{running.http_port}"
         with pytest.raises((ssl.SSLError, ConnectionError)):  # no client certificate
             request(url, "GET", "/v1/model", context=trusting)
         trusting.load_cert_chain(files["client.pem"], files["client.key"])
@@ -624,7 +625,7 @@ def test_http_port_setting() -> None:
 
 def test_http_port_0_leaves_http_off(random_model: Path, runtime: Any) -> None:
     with ServerThread(server_args(random_model), runtime=runtime) as running:
-        assert running.server.http is None and running.server.http_port == 0
+        assert running.front_end(HttpServer) is None and running.http_port == 0
         with Client(running.target, timeout=60) as client:  # gRPC serves as before
             assert len(client.translate(["seven"], max_new_tokens=2)) == 1
 
@@ -672,7 +673,7 @@ def test_loadgen_drives_both_transports(server: ServerThread,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     from tfserve.bench.loadgen import main
 
-    http_target = f"127.0.0.1:{server.server.http_port}"
+    http_target = f"127.0.0.1:{server.http_port}"
     code = main(["--server", server.target, "--http", http_target, "--concurrency", "1,3",
                  "--requests", "6", "--duration", "600", "--max-new-tokens", "3",
                  "--warmup", "1", "--processes", "1", "--json"])

@@ -28,8 +28,8 @@ import pytest
 from server_helpers import ServerProcess, ServerThread, free_port, server_args, tfserve_records
 
 from tfserve.client import Client, ServerError
+from tfserve.frontends.http_api import HttpApi
 from tfserve.serving.auth import BearerAuth
-from tfserve.serving.http_api import HttpApi
 from tfserve.telemetry.metrics import Metrics
 
 SAFETY = 60.0  # seconds: how long a socket waits before a test fails, never a measurement
@@ -161,7 +161,7 @@ def test_slow_headers_and_bodies_are_closed(random_model: Path, runtime: Any) ->
             assert until_closed(sock) == b""
         assert dropped(server, "body_timeout") == 2
         server.wait_until(lambda: open_connections(server) == 0)
-        assert server.server.in_flight == 0  # bodies never read: no call began
+        assert server.in_flight == 0  # bodies never read: no call began
         assert server.metrics.value("tfserve_requests_total", {
             "rpc": "Translate", "code": "CANCELLED"}) == 0  # nor ended
         # a request that arrives at once is answered, and its connection serves the next one
@@ -273,7 +273,7 @@ def test_a_client_leaving_mid_stream_is_one_cancelled_record_and_no_error(
                          b"Content-Type: application/json\r\nx-request-id: leaving\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(STREAM_BODY) + STREAM_BODY)
             assert until_closed(sock).count(b"data: ") == 1  # the first event, then the loss
-        server.wait_until(lambda: server.server.in_flight == 0
+        server.wait_until(lambda: server.in_flight == 0
                           and open_connections(server) == 0)
     records = [record for record in caplog.records if record.name == "tfserve.access"
                and getattr(record, "fields", {}).get("request_id") == "leaving"]
@@ -473,7 +473,7 @@ def test_refusal_warnings_are_rate_limited(caplog: pytest.LogCaptureFixture) -> 
 OPEN_FILES = r"""
 import logging, resource, sys
 from tfserve.telemetry.logs import setup_logging
-from tfserve.serving.frontends import open_files_for
+from tfserve.server.translator_server import open_files_for
 from tfserve.serving.settings import ServerConfig
 setup_logging("json", "info")
 resource.setrlimit(resource.RLIMIT_NOFILE, (1024, int(sys.argv[1])))
@@ -588,7 +588,7 @@ def test_a_client_leaving_mid_body_is_one_cancelled_record(
             server.wait_until(lambda count=count: server.metrics.value(
                 "tfserve_requests_total", {"rpc": "Translate", "code": "CANCELLED"}) == count)
             assert call_records(caplog, name) == [("Translate", "CANCELLED")]
-        server.wait_until(lambda: server.server.in_flight == 0
+        server.wait_until(lambda: server.in_flight == 0
                           and open_connections(server) == 0)
     loud = [f"{r.name}: {r.getMessage()}" for r in caplog.records
             if r.levelno >= logging.ERROR or r.exc_info]

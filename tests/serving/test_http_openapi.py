@@ -18,8 +18,8 @@ import pytest
 from server_helpers import ServerThread, free_port, server_args, tfserve_records
 from test_http import JSON, request
 
+from tfserve.frontends.http_api import MAX_TIMEOUT_MS, TIMEOUT_HEADER
 from tfserve.generation import DecodingOptions
-from tfserve.serving.http_api import MAX_TIMEOUT_MS, TIMEOUT_HEADER
 from tfserve.serving.requests import MAX_REQUEST_ID_CHARS
 
 MAX_TEXTS = 3  # --max-texts-per-request of the servers here: generated requests stay small

@@ -174,7 +174,7 @@ def test_requests_into_different_languages_share_a_batch_and_answer_as_alone(
     common = dict(source_language=SOURCE, min_new_tokens=MIN_NEW, max_new_tokens=MAX_NEW)
     requests = [{**common, **extra} for extra in MIXED]
     rows = [len(TEXTS) * extra.get("num_beams", 1) for extra in MIXED]
-    scheduler = server.server.repository.loaded("nllb").scheduler
+    scheduler = server.repository.loaded("nllb").scheduler
     with ThreadPoolExecutor(len(requests)) as pool:
         with Gate(scheduler) as gate:
             first = pool.submit(translate, transport, server, client, TEXTS, **requests[0])
@@ -287,7 +287,7 @@ def test_min_new_tokens_zero_overrides_a_model_minimum() -> None:
     """DecodingOptions.min_new_tokens is optional: unset takes the model's min_length, an
     explicit 0 sets no minimum against it."""
     from tfserve.artifacts.generation_defaults import GenerationDefaults
-    from tfserve.serving.messages import option_fields, pb2
+    from tfserve.frontends.messages import option_fields, pb2
 
     defaults = GenerationDefaults({"min_new_tokens": 5})
     unset = option_fields(pb2.DecodingOptions(max_new_tokens=9))

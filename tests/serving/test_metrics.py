@@ -36,7 +36,7 @@ def served(random_model: Path) -> Any:
     """A server that answered 3 Translate calls, 2 TranslateStream calls and 1 Encode call of
     known source lengths: its exposition as scraped afterwards, and the tokens sent by rpc."""
     with ServerThread(server_args(random_model, "--metrics-port", str(free_port()))) as server:
-        eos = server.server.runtime.tokenizer.eos_id
+        eos = server.runtime.tokenizer.eos_id
         ids = [token for token in range(5, 30) if token != eos]
         sent = {"Translate": 0, "TranslateStream": 0}
         with Client(server.target, timeout=60) as client:
@@ -48,10 +48,10 @@ def served(random_model: Path) -> Any:
                 list(client.translate_stream(token_ids=sources, max_new_tokens=3))
                 sent["TranslateStream"] += sum(len(source) + 1 for source in sources)
             client.encode(["seven", "sixty"])
-        runtime = server.server.runtime
+        runtime = server.runtime
         sent["Encode"] = sum(len(source) for source in source_ids(
             runtime.tokenizer, ["seven", "sixty"], None, runtime.max_source_positions))
-        yield scrape(server.server.metrics_port), sent
+        yield scrape(server.metrics_port), sent
 
 
 def test_time_to_first_token_counts_every_translate_call(served: Any) -> None:

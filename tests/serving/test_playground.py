@@ -1,4 +1,4 @@
-"""The playground page (tfserve/serving/static/index.html) in a real browser.
+"""The playground page (tfserve/frontends/static/index.html) in a real browser.
 
 Headless Chromium, driven by Selenium through chromedriver, opens `/` on a real server's HTTP
 front end serving the bundled demo model, types into the page and presses its buttons as a

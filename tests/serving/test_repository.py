@@ -632,7 +632,7 @@ def test_concurrent_first_requests_load_the_model_once(tmp_path: Path,
                                                        random_model: Path) -> None:
     repository = make_repository(tmp_path / "repo", alpha=random_model, beta=random_model)
     with ServerThread(repository_args(repository, "--load", "lazy")) as server:
-        models = server.server.repository
+        models = server.repository
         released = threading.Event()
         real_loader = models.loader
 
@@ -660,7 +660,7 @@ def test_a_model_in_flight_is_never_unloaded_to_make_room(tmp_path: Path,
     with ServerThread(args) as server, Client(server.target, timeout=60) as client, \
             ThreadPoolExecutor(1) as pool:
         client.translate(["seven"], model="alpha", max_new_tokens=2)
-        alpha = server.server.repository.loaded("alpha")
+        alpha = server.repository.loaded("alpha")
         with Gate(alpha.scheduler) as gate:
             held = pool.submit(client.translate, ["seven"], model="alpha", max_new_tokens=4)
             gate.wait_held()  # alpha has a request decoding
@@ -668,7 +668,7 @@ def test_a_model_in_flight_is_never_unloaded_to_make_room(tmp_path: Path,
                 client.translate(["seven"], model="beta")
             assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "--max-loaded-models 1 is reached" in raised.value.details()
-            assert server.server.repository.loaded("alpha") is alpha
+            assert server.repository.loaded("alpha") is alpha
         assert held.result(60)
         client.translate(["seven"], model="beta", max_new_tokens=2)  # alpha is idle now
         assert [(e.name, e.state) for e in client.list_models()] == [
@@ -679,7 +679,7 @@ def test_a_model_in_flight_is_never_unloaded_to_make_room(tmp_path: Path,
 
 def rescan(server: ServerThread) -> None:
     """What the poller does every --repository-poll-seconds, now."""
-    server.run_on_loop(server.server.repository.rescan, timeout=120)
+    server.run_on_loop(server.repository.rescan, timeout=120)
 
 
 def test_rescan_adds_a_model_and_swaps_a_new_version_under_requests_in_flight(
@@ -694,7 +694,7 @@ def test_rescan_adds_a_model_and_swaps_a_new_version_under_requests_in_flight(
         assert [h[0].token_ids for h in client.translate_hypotheses(
             ["seven"], model="beta", max_new_tokens=4)] == second
         wait_health(server, "tfserve.v1.Translator/beta", "SERVING")
-        old = server.server.repository.loaded("alpha")
+        old = server.repository.loaded("alpha")
         with Gate(old.scheduler) as gate:
             held = pool.submit(client.translate_hypotheses, ["seven"], model="alpha",
                                max_new_tokens=4)
@@ -702,14 +702,14 @@ def test_rescan_adds_a_model_and_swaps_a_new_version_under_requests_in_flight(
             shutil.rmtree(repository / "alpha")
             shutil.copytree(other_model, repository / "alpha")
             rescan(server)  # the new version loads beside the old and is swapped in
-            new = server.server.repository.loaded("alpha")
+            new = server.repository.loaded("alpha")
             assert new is not old and new.version != old.version
             assert [h[0].token_ids for h in client.translate_hypotheses(
                 ["seven"], model="alpha", max_new_tokens=4)] == second
             assert client.model_info(model="alpha").version == new.version
-            assert old in server.server.repository.resident  # still draining
+            assert old in server.repository.resident  # still draining
         assert [h[0].token_ids for h in held.result(60)] == first  # finished on the old one
-        server.wait_until(lambda: old not in server.server.repository.resident)
+        server.wait_until(lambda: old not in server.repository.resident)
         assert server.metrics.value("tfserve_model_unloads_total",
                                     {"model": "alpha", "reason": "replaced"}) == 1
 
@@ -719,7 +719,7 @@ def test_rescan_removes_a_model_after_its_requests_in_flight(tmp_path: Path,
     repository = make_repository(tmp_path / "repo", alpha=random_model, beta=random_model)
     with ServerThread(repository_args(repository)) as server, \
             Client(server.target, timeout=60) as client, ThreadPoolExecutor(1) as pool:
-        beta = server.server.repository.loaded("beta")
+        beta = server.repository.loaded("beta")
         with Gate(beta.scheduler) as gate:
             held = pool.submit(client.translate, ["seven"], model="beta", max_new_tokens=4)
             gate.wait_held()
@@ -730,9 +730,9 @@ def test_rescan_removes_a_model_after_its_requests_in_flight(tmp_path: Path,
             assert raised.value.code() == grpc.StatusCode.NOT_FOUND
             assert "the models are: alpha (" in raised.value.details()
             wait_health(server, "tfserve.v1.Translator/beta", "SERVICE_UNKNOWN")
-            assert beta in server.server.repository.resident  # draining
+            assert beta in server.repository.resident  # draining
         assert held.result(60)  # the request in flight finished
-        server.wait_until(lambda: beta not in server.server.repository.resident)
+        server.wait_until(lambda: beta not in server.repository.resident)
         assert server.metrics.value("tfserve_model_unloads_total",
                                     {"model": "beta", "reason": "removed"}) == 1
         assert [entry.name for entry in client.list_models()] == ["alpha"]
@@ -744,10 +744,10 @@ def test_rescan_refuses_a_broken_new_version_and_the_old_keeps_serving(
     with ServerThread(repository_args(repository)) as server, \
             Client(server.target, timeout=60) as client:
         before = client.translate(["seven"], model="alpha", max_new_tokens=4)
-        old = server.server.repository.loaded("alpha")
+        old = server.repository.loaded("alpha")
         (repository / "alpha" / "decoder.onnx").write_bytes(b"not an onnx graph")
         rescan(server)
-        assert server.server.repository.loaded("alpha") is old
+        assert server.repository.loaded("alpha") is old
         assert server.metrics.value("tfserve_model_loads_total",
                                     {"model": "alpha", "outcome": "failed"}) == 1
         assert "cannot be loaded" in caplog.text and "keeps serving" in caplog.text
@@ -764,7 +764,7 @@ def test_the_poller_finds_a_new_model(tmp_path: Path, random_model: Path) -> Non
     with ServerThread(args) as server, Client(server.target, timeout=60) as client:
         shutil.copytree(random_model, repository / ".beta-incoming")  # hidden while copied
         (repository / ".beta-incoming").rename(repository / "beta")
-        server.wait_until(lambda: server.server.repository.loaded("beta") is not None)
+        server.wait_until(lambda: server.repository.loaded("beta") is not None)
         assert client.translate(["seven"], model="beta", max_new_tokens=2)
 
 
@@ -816,7 +816,7 @@ def test_a_lone_request_to_an_idle_model_is_answered_while_another_is_saturated(
     args = repository_args(repository, "--max-batch-size", "8")
     with ServerThread(args) as server, ThreadPoolExecutor(48) as pool, \
             Client(server.target, timeout=120) as client:
-        busy = server.server.repository.loaded("busy")
+        busy = server.repository.loaded("busy")
         with Gate(busy.scheduler) as gate:  # held until all 48 are in: then it runs them
             load = [pool.submit(client.translate, ["three hundred and forty-two"],
                                 model="busy", max_new_tokens=120, min_new_tokens=120)

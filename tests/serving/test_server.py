@@ -584,7 +584,7 @@ def test_cancelled_and_expired_requests_stop_decoding(random_model: Path,
             gate.step()
             assert gate.wait_held() == 2  # both decoding
             cancelled.cancel()
-            server.wait_until(lambda: server.server.in_flight == 1)  # the server let it go
+            server.wait_until(lambda: server.in_flight == 1)  # the server let it go
             scheduler.clock = past_every_deadline
             gate.open()
             with pytest.raises(ServerError) as expired:
@@ -770,7 +770,7 @@ def test_health_and_reflection_with_generic_stubs(server: ServerThread) -> None:
 
 def test_metrics_endpoint(server: ServerThread, client: Client) -> None:
     client.translate(["seven"], max_new_tokens=3)
-    url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=60) as response:
         text = response.read().decode()
     for name in ("tfserve_requests_total", "tfserve_queue_seconds_bucket",
@@ -932,9 +932,9 @@ def test_drain_finishes_the_calls_in_flight(random_model: Path, random_runtime: 
             calls = [pool.submit(client.translate_hypotheses, [text], **long)
                      for text in TEXTS[:3]]
             gate.wait_held()
-            running.wait_until(lambda: running.server.in_flight == 3)
+            running.wait_until(lambda: running.in_flight == 3)
             drain = pool.submit(running.run_on_loop, running.server.drain, 60)
-            running.wait_until(lambda: running.server.draining)
+            running.wait_until(lambda: running.core.calls.draining)
             assert not any(call.done() for call in calls)
             gate.open()
             answers = [call.result(60) for call in calls]

@@ -143,7 +143,7 @@ def test_translate_span_continues_the_callers_trace(traced: tuple[ServerThread, 
     from opentelemetry.trace import SpanKind, StatusCode
 
     server = traced[0]
-    eos = server.server.runtime.tokenizer.eos_id
+    eos = server.runtime.tokenizer.eos_id
     sources = [[token for token in (5, 6, 7) if token != eos] or [5], [8, 9]]
     with Client(server.target, timeout=60) as client:
         client.metadata += [("traceparent", TRACEPARENT), ("tracestate", TRACESTATE)]
@@ -163,7 +163,7 @@ def test_translate_span_continues_the_callers_trace(traced: tuple[ServerThread, 
         "tfserve.request_id": "traced-1", "tfserve.texts": 2,
         "tfserve.input_tokens": sum(len(source) + 1 for source in sources),  # eos appended
         "tfserve.output_tokens": output_tokens, "tfserve.status": "OK",
-        "tfserve.model": server.server.repository.default_name}  # --model DIR: DIR's name
+        "tfserve.model": server.repository.default_name}  # --model DIR: DIR's name
     assert span.status.status_code == StatusCode.UNSET  # success: the default, as specified
     assert event_names_in_order(span) == list(EVENTS)
 

@@ -1,31 +1,27 @@
 """The gRPC transport of `tfserve.v1.Translator`: protobuf in, the serving core, protobuf out.
 
-`TranslatorService` converts each request message into the core's plain request, submits
-it to the model the request names (`ServingCore.model`), and converts the results back (both
-with `tfserve.serving.messages`, which the HTTP adapter uses too). `GrpcCall` adds to the
+`TranslatorService` converts each request message into the core's plain request, calls the
+core's method for its RPC (`ServingCore.translate`, ...), and converts the result back (both
+with `tfserve.frontends.messages`, which the HTTP front end uses too). `GrpcCall` adds to the
 core's `Call` what only gRPC knows: the peer, the `x-request-id` metadata in and out, the
-deadline, and answering a `Status` as a `grpc.StatusCode` (`GRPC_CODES`). Request messages
-that do not parse become `Malformed` (`lenient_parser`), so that they are answered
-INVALID_ARGUMENT through the usual path (logged, counted) instead of grpc's UNKNOWN; the
-parser hands each on as `Received`, with its size (`Call.received`). A failed call is
+deadline, and answering a `Status` as a `grpc.StatusCode` (`GRPC_CODES`). A request message
+that does not parse is the call's refusal (`Malformed`, from `lenient_parser`), so that it is
+answered INVALID_ARGUMENT through the usual path (logged, counted) instead of grpc's UNKNOWN;
+the parser hands each on as `Received`, with its size (`Call.received`). A failed call is
 answered with the status set on the context, not by raising `context.abort`, except a
 refusal with UNAVAILABLE, which clients may retry elsewhere (`GrpcCall.fail` says why).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf import message_factory
 
-from tfserve.proto import load as load_stubs
-from tfserve.scheduler import Job
-from tfserve.serving.calls import CALL_ENDED, REQUEST_ID_KEY, Call
-from tfserve.serving.core import ServingCore
-from tfserve.serving.messages import (
+from tfserve.frontends.messages import (
     encode_input,
     encode_response,
     list_models_response,
@@ -33,8 +29,9 @@ from tfserve.serving.messages import (
     translate_input,
     translate_response,
 )
-from tfserve.serving.status import InvalidArgument, Status
-from tfserve.serving.stream import TokenStream
+from tfserve.proto import load as load_stubs
+from tfserve.serving import REQUEST_ID_KEY, Call, InvalidArgument, ServingCore, Status
+from tfserve.serving.calls import CALL_ENDED
 
 pb2, pb2_grpc = load_stubs()
 SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["Translator"].full_name  # tfserve.v1.Translator
@@ -62,22 +59,24 @@ class Malformed:
 
 
 class Received(NamedTuple):
-    """A request as the handlers get it: the message (or Malformed) and its size in bytes
-    as received (a large one hands memory back when its call ends: Call.received)."""
+    """A request as the handlers get it: the message (an empty one when it did not parse),
+    its size in bytes as received (a large one hands memory back when its call ends:
+    Call.received), and why it did not parse (the call's refusal)."""
 
     message: Any
     size: int
+    malformed: Malformed | None = None
 
 
 def lenient_parser(message_class: Any) -> Callable[[bytes], Received]:
-    """A request deserializer that returns Malformed instead of raising."""
+    """A request deserializer that gives Malformed instead of raising."""
     name = message_class.DESCRIPTOR.full_name
 
     def parse(data: bytes) -> Received:
         try:
             return Received(message_class.FromString(data), len(data))
         except Exception as exc:  # DecodeError, invalid UTF-8 in a string field, ...
-            return Received(Malformed(name, exc), len(data))
+            return Received(message_class(), len(data), Malformed(name, exc))
 
     return parse
 
@@ -89,21 +88,22 @@ class GrpcCall(Call):
     """A Call over a grpc.aio context: request id from the message or the metadata, the
     deadline from the context, the id echoed back in metadata, failures as statuses."""
 
-    def __init__(self, core: ServingCore, rpc: str, request: Any,
-                 context: grpc.aio.ServicerContext, streaming: bool = False,
-                 request_bytes: int = 0) -> None:
+    def __init__(self, core: ServingCore, rpc: str, received: Received,
+                 context: grpc.aio.ServicerContext, streaming: bool = False) -> None:
         metadata = dict(context.invocation_metadata() or ())
-        given = getattr(request, "request_id", "") or metadata.get(REQUEST_ID_KEY) or ""
+        given = (getattr(received.message, "request_id", "") or metadata.get(REQUEST_ID_KEY)
+                 or "")
+        malformed = received.malformed
         # the peer is read now: once the call has ended (a cancelled stream), grpc's context
         # must not be asked for anything (context.peer() then crashed the process)
         super().__init__(core.calls, rpc, given_id=str(given), peer=context.peer(),
                          time_remaining=context.time_remaining(),
-                         invalid=request.invalid() if isinstance(request, Malformed) else None,
+                         invalid=malformed.invalid() if malformed is not None else None,
                          trace_carrier=metadata)
         self.context = context
         self.streaming = streaming
         self.metadata_sent = False
-        self.received(request_bytes)
+        self.received(received.size)
         if self.large:
             # released once grpc's own coroutine, which holds the received bytes and the
             # message until the status is sent, has ended: only then can the memory go.
@@ -137,10 +137,8 @@ class GrpcCall(Call):
             else:
                 self.context.set_trailing_metadata(metadata)
 
-    async def wait(self, job: Job) -> list[Any]:
-        waiter = self.watch(job)
+    async def accepted(self) -> None:
         await self.send_metadata()
-        return await waiter
 
     async def fail(self, exc: BaseException) -> None:
         """Record the failure and set its status on the context (or re-raise a
@@ -183,11 +181,10 @@ def unary(rpc: str) -> Callable[[Handler], Handler]:
     def wrap(method: Handler) -> Handler:
         async def handler(self: TranslatorService, received: Received,
                           context: grpc.aio.ServicerContext) -> Any:
-            request = received.message
-            call = GrpcCall(self.core, rpc, request, context, request_bytes=received.size)
+            call = GrpcCall(self.core, rpc, received, context)
             try:
-                call.begin()
-                response = await method(self, request, call)
+                # the core begins the call: a message that did not parse fails it then
+                response = await method(self, received.message, call)
                 await call.send_metadata()
             except BaseException as exc:
                 await call.fail(exc)
@@ -208,12 +205,9 @@ def streaming(rpc: str) -> Callable[[Callable[..., AsyncIterator[Any]]],
     def wrap(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
         async def handler(self: TranslatorService, received: Received,
                           context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            request = received.message
-            call = GrpcCall(self.core, rpc, request, context, streaming=True,
-                            request_bytes=received.size)
+            call = GrpcCall(self.core, rpc, received, context, streaming=True)
             try:
-                call.begin()
-                async for chunk in method(self, request, call):
+                async for chunk in method(self, received.message, call):
                     await call.send_metadata()
                     yield chunk
                 await call.send_metadata()
@@ -239,39 +233,28 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
 
     @unary("Translate")
     async def Translate(self, request: Any, call: GrpcCall) -> Any:
-        model = await self.core.model(request.model, call)
-        job = await model.submitter.submit_translate(translate_input(request), call)
-        results = await call.wait(job)
-        return call.sized(translate_response(results, call.request_id, model.decode))
+        translations = await self.core.translate(call, translate_input(request))
+        return call.sized(translate_response(translations, call.request_id))
 
     @streaming("TranslateStream")
     async def TranslateStream(self, request: Any, call: GrpcCall) -> AsyncIterator[Any]:
-        model = await self.core.model(request.model, call)
-        stream = TokenStream(asyncio.get_running_loop())
-        job = await model.submitter.submit_translate(translate_input(request), call,
-                                                     stream.on_event)
-        call.job = job
-        await call.send_metadata()
-        stream.end_with(job)
-        decode = model.decode
-        async for chunk in stream.chunks(decode):
-            yield call.sized(stream_response(chunk, call.request_id, decode))
-        await call.wait(job)  # raises the job's error, if it failed
+        async with aclosing(self.core.translate_stream(call, translate_input(request))
+                            ) as chunks:
+            async for chunk in chunks:
+                yield call.sized(stream_response(chunk, call.request_id))
 
     @unary("Encode")
     async def Encode(self, request: Any, call: GrpcCall) -> Any:
-        model = await self.core.model(request.model, call)
-        results = await call.wait(await model.submitter.submit_encode(encode_input(request),
-                                                                      call))
-        return call.sized(encode_response(results, call.request_id))
+        encodings = await self.core.encode(call, encode_input(request))
+        return call.sized(encode_response(encodings, call.request_id))
 
     @unary("GetModelInfo")
     async def GetModelInfo(self, request: Any, call: GrpcCall) -> Any:
-        return await self.core.describe(request.model, call)
+        return await self.core.model_info(call, request.model)
 
     @unary("ListModels")
     async def ListModels(self, request: Any, call: GrpcCall) -> Any:
-        return call.sized(list_models_response(*self.core.list_models()))
+        return call.sized(list_models_response(*await self.core.list_models(call)))
 
 
 def add_translator_service(service: TranslatorService, server: grpc.aio.Server) -> None:

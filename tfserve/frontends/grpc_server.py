@@ -1,4 +1,4 @@
-"""The gRPC listener around the Translator service (tfserve.serving.grpc_api): grpc.aio
+"""The gRPC listener around the Translator service (tfserve.frontends.grpc_api): grpc.aio
 server options, TLS, the bearer-token interceptor, health and reflection.
 
 Health: `""` and `tfserve.v1.Translator` are the server's (SERVING from the start until the
@@ -8,7 +8,7 @@ SERVICE_UNKNOWN once it is removed from the repository.
 
 grpc.aio runs every RPC on one event loop (the HTTP front end shares it); the model only ever
 runs on the scheduler's worker thread, and results come back through futures
-(tfserve.serving.calls). tfserve.serving.frontends starts and drains it beside the HTTP
+(tfserve.serving.calls). tfserve.server.translator_server starts and drains it beside the HTTP
 front end, around one ServingCore.
 """
 
@@ -23,10 +23,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tfserve.frontends.front_end import Shared
+from tfserve.frontends.grpc_api import SERVICE_NAME, TranslatorService, add_translator_service
+from tfserve.serving import REQUEST_ID_KEY, ServingCore
 from tfserve.serving.auth import REPEATED, BearerAuth
-from tfserve.serving.calls import REQUEST_ID_KEY
-from tfserve.serving.core import ServingCore
-from tfserve.serving.grpc_api import SERVICE_NAME, TranslatorService, add_translator_service
 from tfserve.serving.settings import ServerConfig
 
 log = logging.getLogger("tfserve.server")
@@ -126,14 +126,16 @@ def bind(server: grpc.aio.Server, config: ServerConfig, address: str) -> int:
 
 
 class GrpcServer:
-    """The gRPC front end of one ServingCore: the grpc.aio server with the Translator
-    service, health and reflection, on --host:--port.
+    """The gRPC front end of one ServingCore (a tfserve.frontends.FrontEnd): the grpc.aio
+    server with the Translator service, health and reflection, on --host:--port.
 
-    `bind()` listens (RuntimeError naming --port when it cannot), `await start()` serves and
-    sets health SERVING; on a drain, `await not_serving()` then `await stop(grace)`.
-    `shared_port`: one of --workers processes, which share the port
+    `await bind()` listens (RuntimeError naming --port when it cannot), `await serve()`
+    serves and sets health SERVING; on a drain, `await not_serving()` then
+    `await stop(grace)`. `shared_port`: one of --workers processes, which share the port
     (tfserve.server.worker_processes).
     """
+
+    port_field = "port"
 
     def __init__(self, core: ServingCore, shared_port: bool = False,
                  auth: BearerAuth | None = None) -> None:
@@ -145,7 +147,7 @@ class GrpcServer:
         self.port = 0
         self._server: grpc.aio.Server | None = None
 
-    def bind(self) -> None:
+    async def bind(self) -> None:
         """Build the server and listen; RuntimeError naming --port when the port is busy."""
         config = self.config
         auth = self.auth or (BearerAuth(config.auth_token, self.core.metrics)
@@ -163,7 +165,7 @@ class GrpcServer:
             raise RuntimeError(f"--port {config.port}: cannot listen on {address}")
         self._server = server
 
-    async def start(self) -> None:
+    async def serve(self) -> None:
         """Serve (after bind()), health SERVING."""
         assert self._server is not None, "bind() first"
         await self._server.start()
@@ -190,6 +192,7 @@ class GrpcServer:
         if self._server is not None:
             await self._server.stop(grace)
 
-    async def wait_for_termination(self) -> None:
-        if self._server is not None:
-            await self._server.wait_for_termination()
+
+def grpc_front_end(shared: Shared) -> GrpcServer:
+    """The gRPC front end (always on: --port)."""
+    return GrpcServer(shared.core, shared.shared_port, shared.auth)

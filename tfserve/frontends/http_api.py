@@ -1,11 +1,11 @@
 """The HTTP/JSON transport of `tfserve.v1.Translator`: JSON in, the serving core, JSON out.
 
-The bodies are the `tfserve.v1` messages in protobuf's JSON mapping (tfserve.serving.messages,
-the same conversions the gRPC adapter uses; a body's `model` names the model, as over gRPC);
-every call goes through the core's `Calls` as an `HttpCall`, so the checks, the in-flight and
-drain accounting, the metrics by (rpc, status) and the access log are the gRPC side's. The
-routes are one table (`ROUTES`), which builds both the aiohttp application and its OpenAPI
-document (tfserve.serving.openapi).
+The bodies are the `tfserve.v1` messages in protobuf's JSON mapping (tfserve.frontends.messages,
+the same conversions the gRPC front end uses; a body's `model` names the model, as over gRPC);
+every call is an `HttpCall` that the core's method for its RPC runs, so the checks, the
+in-flight and drain accounting, the metrics by (rpc, status) and the access log are the gRPC
+side's. The routes are one table (`ROUTES`), which builds both the aiohttp application and
+its OpenAPI document (tfserve.frontends.openapi).
 
     POST /v1/translate          TranslateRequest -> TranslateResponse        (rpc Translate)
     POST /v1/translate:stream   TranslateRequest -> server-sent events of
@@ -18,7 +18,7 @@ document (tfserve.serving.openapi).
     GET  /healthz, /v2/health/live      200 while the process serves
     GET  /readyz,  /v2/health/ready     200 when ready; 503 while starting or draining
     GET  /openapi.json          this table as OpenAPI 3
-    GET  /, /static/...         the playground page (tfserve/serving/static)
+    GET  /, /static/...         the playground page (tfserve/frontends/static)
 
 A failure is `{"error": {"code": <Status name>, "message": ...}}` with the HTTP status of
 `HTTP_STATUS`; in a stream, an error after the first event is an `event: error` event.
@@ -31,6 +31,7 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,10 +46,8 @@ from aiohttp.http_exceptions import (
 from multidict import CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tfserve.serving.auth import REPEATED, BearerAuth
-from tfserve.serving.calls import CALL_ENDED, REQUEST_ID_KEY, Call
-from tfserve.serving.core import ServingCore
-from tfserve.serving.messages import (
+from tfserve.frontends.front_end import Readiness
+from tfserve.frontends.messages import (
     encode_input,
     encode_response,
     from_json,
@@ -59,16 +58,25 @@ from tfserve.serving.messages import (
     translate_input,
     translate_response,
 )
-from tfserve.serving.openapi import (
+from tfserve.frontends.openapi import (
     REQUEST_ID_SCHEMA,
     Header,
     Operation,
     counting_pattern,
     openapi_document,
 )
-from tfserve.serving.requests import shown
-from tfserve.serving.status import InvalidArgument, ModelNotFound, ResponseTooLarge, Status
-from tfserve.serving.stream import TokenStream
+from tfserve.serving import (
+    REQUEST_ID_KEY,
+    Call,
+    InvalidArgument,
+    ModelNotFound,
+    ResponseTooLarge,
+    ServingCore,
+    Status,
+    shown,
+)
+from tfserve.serving.auth import REPEATED, BearerAuth
+from tfserve.serving.calls import CALL_ENDED
 
 log = logging.getLogger("tfserve.server")
 
@@ -97,8 +105,6 @@ HTTP_STATUS: dict[Status, int] = {
     Status.UNAVAILABLE: 503,
     Status.DEADLINE_EXCEEDED: 504,
 }
-
-Readiness = Callable[[], str]  # "" when ready, else why not
 
 
 class BodyTooLarge(ResponseTooLarge):
@@ -211,7 +217,7 @@ async def read_message(request: web.Request, message_class: Any) -> Any:
 
 MAX_BODY = web.AppKey("max_body", int)
 # set on a request whose connection the server closed while its body was still to come
-# (--http-body-timeout-seconds, tfserve.serving.http_server): no call is made of it
+# (--http-body-timeout-seconds, tfserve.frontends.http_server): no call is made of it
 BODY_DROPPED = web.RequestKey("body_dropped", bool)
 
 
@@ -291,10 +297,11 @@ class HttpApi:
             (route.operation for route in ROUTES), core.config, CALL_HEADERS)).encode()
 
     async def _call(self, request: web.Request, rpc: str, message_class: Any
-                    ) -> tuple[HttpCall, Any, BaseException | None]:
-        """The call, its request message (None without a body, or a body that is not one)
-        and why the body is not one: raised once the call has begun, so that it is counted
-        and logged like any failed call."""
+                    ) -> tuple[HttpCall, Any]:
+        """The call and its request message (None without a body; an empty one for a body
+        that is not one). Why the body is not one is the call's refusal (Call.refuse): raised
+        when the core begins the call, so that it is counted and logged like any failed
+        call."""
         message: Any = None
         body_error: BaseException | None = None
         if message_class is not None:
@@ -314,16 +321,18 @@ class HttpApi:
             except Exception as exc:  # InvalidArgument, BodyTooLarge; anything else is the
                 # call's INTERNAL error, logged and counted like any failed call's
                 body_error = exc
-        return HttpCall(self.core, rpc, request, message), message, body_error
+        call = HttpCall(self.core, rpc, request, message)
+        if body_error is not None:
+            call.refuse(body_error)
+            message = message_class()
+        return call, message
 
     async def _unary(self, request: web.Request, rpc: str, message_class: Any,
                      answer: Callable[[Any, HttpCall], Awaitable[bytes]]) -> web.Response:
-        """A unary call: read the body, begin the call, answer the JSON `answer` returns."""
-        call, message, body_error = await self._call(request, rpc, message_class)
+        """A unary call: read the body, answer the JSON `answer` returns (the core's method
+        that it calls begins the call)."""
+        call, message = await self._call(request, rpc, message_class)
         try:
-            call.begin()
-            if body_error is not None:
-                raise body_error
             body = await answer(message, call)
         except BaseException as exc:
             return call.error(exc)
@@ -332,24 +341,21 @@ class HttpApi:
 
     async def translate(self, request: web.Request) -> web.Response:
         async def answer(message: Any, call: HttpCall) -> bytes:
-            model = await self.core.model(message.model, call)
-            job = await model.submitter.submit_translate(translate_input(message), call)
-            results = await call.wait(job)
-            return call.sized(translate_response(results, call.request_id, model.decode))
+            translations = await self.core.translate(call, translate_input(message))
+            return call.sized(translate_response(translations, call.request_id))
 
         return await self._unary(request, "Translate", pb2.TranslateRequest, answer)
 
     async def encode(self, request: web.Request) -> web.Response:
         async def answer(message: Any, call: HttpCall) -> bytes:
-            model = await self.core.model(message.model, call)
-            job = await model.submitter.submit_encode(encode_input(message), call)
-            return call.sized(encode_response(await call.wait(job), call.request_id))
+            encodings = await self.core.encode(call, encode_input(message))
+            return call.sized(encode_response(encodings, call.request_id))
 
         return await self._unary(request, "Encode", pb2.EncodeRequest, answer)
 
     async def model(self, request: web.Request) -> web.Response:
         async def answer(message: Any, call: HttpCall) -> bytes:
-            return call.sized(await self.core.describe("", call))
+            return call.sized(await self.core.model_info(call, ""))
 
         return await self._unary(request, "GetModelInfo", None, answer)
 
@@ -357,13 +363,13 @@ class HttpApi:
         name = request.match_info["name"]
 
         async def answer(message: Any, call: HttpCall) -> bytes:
-            return call.sized(await self.core.describe(name, call))
+            return call.sized(await self.core.model_info(call, name))
 
         return await self._unary(request, "GetModelInfo", None, answer)
 
     async def models(self, request: web.Request) -> web.Response:
         async def answer(message: Any, call: HttpCall) -> bytes:
-            return call.sized(list_models_response(*self.core.list_models()))
+            return call.sized(list_models_response(*await self.core.list_models(call)))
 
         return await self._unary(request, "ListModels", None, answer)
 
@@ -372,26 +378,17 @@ class HttpApi:
         the end. The answer starts with the first chunk: whatever fails before it (the
         checks, a full queue, the drain, a deadline in the queue) is a plain JSON error with
         its HTTP status; a failure after it is an `event: error` and the end."""
-        call, message, body_error = await self._call(request, "TranslateStream",
-                                                     pb2.TranslateRequest)
+        call, message = await self._call(request, "TranslateStream", pb2.TranslateRequest)
         response: web.StreamResponse | None = None
         try:
-            call.begin()
-            if body_error is not None:
-                raise body_error
-            model = await self.core.model(message.model, call)
-            stream = TokenStream(asyncio.get_running_loop())
-            job = await model.submitter.submit_translate(translate_input(message), call,
-                                                         stream.on_event)
-            call.job = job
-            stream.end_with(job)
-            async for chunk in stream.chunks(model.decode):
-                event = b"data: " + call.sized(
-                    stream_response(chunk, call.request_id, model.decode)) + b"\n\n"
-                if response is None:
-                    response = await self._start_events(request, call)
-                await response.write(event)
-            await call.wait(job)  # raises the job's error, if it failed
+            translation = translate_input(message)
+            async with aclosing(self.core.translate_stream(call, translation)) as chunks:
+                async for chunk in chunks:
+                    event = b"data: " + call.sized(
+                        stream_response(chunk, call.request_id)) + b"\n\n"
+                    if response is None:
+                        response = await self._start_events(request, call)
+                    await response.write(event)
             if response is None:
                 response = await self._start_events(request, call)
             await response.write(b"event: done\ndata: {}\n\n")
@@ -503,7 +500,7 @@ def body_problem(request: web.Request, exc: BaseException) -> str:
     """One line naming what is wrong with a request body whose bytes aiohttp's parser refused
     (its chunked encoding, its Content-Encoding), without any of those bytes.
 
-    `exc`: the parser's error (tfserve.serving.http_server ends the body with it), or
+    `exc`: the parser's error (tfserve.frontends.http_server ends the body with it), or
     aiohttp's RequestPayloadError raised from it.
     """
     cause = exc if isinstance(exc, HttpProcessingError) else exc.__cause__
@@ -548,7 +545,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
                               {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None)
     except ConnectionError:
         raise  # the client left: nobody to answer, and no error of the server's (aiohttp
-        # drops the connection; tfserve.serving.http_server logs it at debug level only)
+        # drops the connection; tfserve.frontends.http_server logs it at debug level only)
     except Exception:
         log.exception("HTTP %s %s failed", request.method, request.path)
         return error_response(Status.INTERNAL.name, "internal error", 500)

@@ -1,4 +1,4 @@
-"""The HTTP listener around the HTTP API (tfserve.serving.http_api): an aiohttp runner on the
+"""The HTTP listener around the HTTP API (tfserve.frontends.http_api): an aiohttp runner on the
 server's own event loop (asyncio or uvloop, the one gRPC runs on), TLS from the same
 certificate, key and client CA as gRPC, the connections' limit and timeouts, and its start /
 stop steps.
@@ -44,18 +44,17 @@ from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.streams import StreamReader
 
-from tfserve.serving.auth import BearerAuth
-from tfserve.serving.core import ServingCore
-from tfserve.serving.http_api import (
+from tfserve.frontends.front_end import Readiness, Shared
+from tfserve.frontends.http_api import (
     BODY_DROPPED,
     Handler,
-    Readiness,
     error_response,
     make_app,
     malformed_reason,
 )
+from tfserve.serving import ServingCore, Status
+from tfserve.serving.auth import BearerAuth
 from tfserve.serving.settings import ServerConfig
-from tfserve.serving.status import Status
 from tfserve.telemetry.metrics import Metrics
 
 log = logging.getLogger("tfserve.server")
@@ -124,7 +123,7 @@ class RequestHandler(web_protocol.RequestHandler):
       only, and the body's reader waits for bytes that never come: the request's handler
       hangs until --http-body-timeout-seconds closes the connection. Here the body ends with
       the parser's error, so that its handler answers the call with it (a 400,
-      tfserve.serving.http_api), and the connection closes after that answer (its bytes no
+      tfserve.frontends.http_api), and the connection closes after that answer (its bytes no
       longer frame requests).
     """
 
@@ -299,12 +298,14 @@ async def request_phases(request: web.Request, handler: Handler) -> web.StreamRe
 
 
 class HttpServer:
-    """The HTTP API of one ServingCore on --host:--http-port.
+    """The HTTP API of one ServingCore on --host:--http-port (a tfserve.frontends.FrontEnd).
 
     `shared_port`: one of --workers processes, which share the port with SO_REUSEPORT (the
     parent checked that it was free and holds it); otherwise a busy port fails the start.
     `auth`: the bearer token's check, shared with gRPC (None: one of its own, from the config).
     """
+
+    port_field = "http_port"
 
     def __init__(self, core: ServingCore, ready: Readiness, shared_port: bool = False,
                  auth: BearerAuth | None = None) -> None:
@@ -318,8 +319,9 @@ class HttpServer:
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.AbstractServer | None = None
 
-    async def start(self) -> None:
-        """Listen; RuntimeError naming --http-port when the port cannot be bound."""
+    async def bind(self) -> None:
+        """Listen; RuntimeError naming --http-port when the port cannot be bound. It
+        answers from then on: /readyz says whether the server takes calls."""
         config = self.config
         context = ssl_context(config)
         # no aiohttp access log: every call writes the server's own (tfserve.access); the
@@ -355,12 +357,26 @@ class HttpServer:
         self._runner, self._listener, self.connections = runner, listener, connections
         self.port = int(listener.sockets[0].getsockname()[1])
 
-    async def stop(self) -> None:
+    async def serve(self) -> None:
+        """Nothing to do: it answers once bound, and /readyz follows the server's state."""
+
+    async def not_serving(self) -> None:
+        """Nothing to do: /readyz reads the server's state (503 while draining)."""
+
+    async def stop(self, grace: float | None = None) -> None:
         """Stop listening, let the handlers still running finish (or cancel them after a
-        second: the drain already waited for the calls in flight), close the connections."""
+        second, whatever `grace`: the drain already waited for the calls in flight), close
+        the connections."""
         if self._listener is not None:
             self._listener.close()
             self._listener = None
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
+
+
+def http_front_end(shared: Shared) -> HttpServer | None:
+    """The HTTP front end, unless --http-port is 0."""
+    if not shared.core.config.http_port:
+        return None
+    return HttpServer(shared.core, shared.ready, shared.shared_port, shared.auth)

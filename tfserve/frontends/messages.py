@@ -1,6 +1,6 @@
 """The `tfserve.v1` messages (proto/tfserve/v1/translator.proto) <-> the core's plain values,
-for every front end: the gRPC adapter sends the messages as protobuf, the HTTP adapter as
-their JSON mapping (`to_json` / `from_json`), so both speak one schema, written once.
+for both of tfserve's own front ends: the gRPC one sends the messages as protobuf, the HTTP
+one as their JSON mapping (`to_json` / `from_json`), so both speak one schema, written once.
 
 Requests become `TranslateInput` / `EncodeInput`; hypotheses, stream chunks, encodings and
 the repository's model statuses become response messages. Nothing here knows a transport.
@@ -9,7 +9,7 @@ the repository's model statuses become response messages. Nothing here knows a t
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf import json_format
@@ -17,16 +17,19 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.descriptor_pb2 import FieldDescriptorProto
 
 from tfserve import option_table
-from tfserve.generation import Hypothesis
 from tfserve.proto import load as load_stubs
-from tfserve.serving.repository import ModelStatus
-from tfserve.serving.requests import EncodeInput, OptionFields, TranslateInput, shown
-from tfserve.serving.status import InvalidArgument
-from tfserve.serving.stream import Chunk
+from tfserve.serving import (
+    Chunk,
+    EncodeInput,
+    InvalidArgument,
+    ModelStatus,
+    OptionFields,
+    TextHypothesis,
+    TranslateInput,
+    shown,
+)
 
 pb2 = load_stubs()[0]
-
-Decode = Callable[[list[int]], str]  # token ids -> text (the tokenizer's decode)
 
 
 # -- requests -------------------------------------------------------------------------------
@@ -82,7 +85,7 @@ def option_fields(message: Any) -> OptionFields:
 
 def translate_input(request: Any) -> TranslateInput:
     """TranslateRequest -> TranslateInput."""
-    return TranslateInput(texts=request.texts,
+    return TranslateInput(model=request.model, texts=request.texts,
                           token_ids=[sequence.ids for sequence in request.token_ids],
                           truncate=request.truncate, options=option_fields(request.options),
                           source_language=request.source_language,
@@ -92,7 +95,8 @@ def translate_input(request: Any) -> TranslateInput:
 
 def encode_input(request: Any) -> EncodeInput:
     """EncodeRequest -> EncodeInput."""
-    return EncodeInput(texts=request.texts, truncate=request.truncate, pooling=request.pooling,
+    return EncodeInput(model=request.model, texts=request.texts, truncate=request.truncate,
+                       pooling=request.pooling,
                        return_hidden_states=request.return_hidden_states,
                        source_language=request.source_language)
 
@@ -100,23 +104,20 @@ def encode_input(request: Any) -> EncodeInput:
 # -- responses ------------------------------------------------------------------------------
 
 
-def hypothesis(found: Hypothesis, decode: Decode, text: str | None = None) -> Any:
-    """A Hypothesis message; its text decoded unless given."""
-    if text is None:
-        text = decode(found.token_ids)
-    return pb2.Hypothesis(text=text, token_ids=found.token_ids, score=found.score)
+def hypothesis(found: TextHypothesis) -> Any:
+    """A Hypothesis message."""
+    return pb2.Hypothesis(text=found.text, token_ids=found.token_ids, score=found.score)
 
 
-def translate_response(results: Sequence[list[Hypothesis]], request_id: str,
-                       decode: Decode) -> Any:
+def translate_response(results: Sequence[list[TextHypothesis]], request_id: str) -> Any:
     """A TranslateResponse: one Translation per input, its hypotheses in order."""
     return pb2.TranslateResponse(
         request_id=request_id,
-        translations=[pb2.Translation(hypotheses=[hypothesis(h, decode) for h in hypotheses])
+        translations=[pb2.Translation(hypotheses=[hypothesis(h) for h in hypotheses])
                       for hypotheses in results])
 
 
-def stream_response(chunk: Chunk, request_id: str, decode: Decode) -> Any:
+def stream_response(chunk: Chunk, request_id: str) -> Any:
     """A TranslateStreamResponse for one chunk; the last of an input carries its final
     hypothesis (and every hypothesis, when there are several)."""
     if not chunk.done:
@@ -126,9 +127,9 @@ def stream_response(chunk: Chunk, request_id: str, decode: Decode) -> Any:
     assert chunk.final is not None
     message = pb2.TranslateStreamResponse(
         index=chunk.index, request_id=request_id, done=True, text_delta=chunk.text_delta,
-        token_ids=chunk.token_ids, final=hypothesis(chunk.final, decode, chunk.final_text))
+        token_ids=chunk.token_ids, final=hypothesis(chunk.final))
     if chunk.hypotheses:
-        message.hypotheses.extend(hypothesis(h, decode) for h in chunk.hypotheses)
+        message.hypotheses.extend(hypothesis(h) for h in chunk.hypotheses)
     return message
 
 

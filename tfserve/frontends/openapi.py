@@ -1,5 +1,5 @@
 """The OpenAPI 3 document of the HTTP API (`GET /openapi.json`), built from the same route
-table that builds the aiohttp app (tfserve.serving.http_api) and from the descriptors of the
+table that builds the aiohttp app (tfserve.frontends.http_api) and from the descriptors of the
 `tfserve.v1` messages: the schemas follow protobuf's JSON mapping (lowerCamelCase names,
 64-bit integers as strings), so nothing here restates a field by hand.
 
@@ -21,7 +21,7 @@ from typing import Any
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from tfserve import option_table
-from tfserve.serving.messages import pb2
+from tfserve.frontends.messages import pb2
 from tfserve.serving.requests import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 from tfserve.serving.settings import ServerConfig
 from tfserve.serving.status import Status

@@ -3,10 +3,10 @@
 
 Layers, each importing only the ones below it:
 
-    tfserve.serving.frontends               (one process: the core, gRPC and HTTP)
-    tfserve.serving.grpc_server / grpc_api  (gRPC: protobuf in/out, TLS, auth, health)
-    tfserve.serving.http_server / http_api  (HTTP/JSON and server-sent events, probes)
-    -> tfserve.serving                      (checks, calls, statuses, streams, lifecycle)
+    tfserve.server.translator_server          (one process: the core and its front ends)
+    tfserve.frontends.grpc_server / grpc_api  (gRPC: protobuf in/out, TLS, auth, health)
+    tfserve.frontends.http_server / http_api  (HTTP/JSON and server-sent events, probes)
+    -> tfserve.serving                        (checks, calls, each RPC's steps, lifecycle)
     -> tfserve.scheduler                    (queue, dynamic + continuous batching, worker)
     -> tfserve.runtime                      (the ONNX Runtime graphs)
 
@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tfserve.argparsing import EXIT_USAGE
-from tfserve.serving.frontends import TranslatorServer
+from tfserve.server.translator_server import TranslatorServer
 from tfserve.serving.process_tuning import event_loop_runner, keep_freed_memory
 from tfserve.serving.settings import ServerConfig, parse_config
 from tfserve.telemetry.logs import setup_logging

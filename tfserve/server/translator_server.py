@@ -1,12 +1,14 @@
-"""One server process: a ServingCore and its front ends, gRPC (tfserve.serving.grpc_server)
-and, unless --http-port is 0, HTTP (tfserve.serving.http_server), on one event loop.
+"""One server process: a ServingCore and its front ends (FRONT_ENDS: HTTP unless --http-port
+is 0, then gRPC; tfserve.frontends), on one event loop.
 
-Start: the metrics port, then HTTP and gRPC bind (a busy port fails here, naming its flag,
-before anything runs that would need stopping), then the scheduler, then gRPC serves.
+Start: the metrics port, then each front end binds (a busy port fails here, naming its flag,
+before anything runs that would need stopping), then the models' workers, then the front ends
+serve.
 
-Drain (SIGTERM / SIGINT, tfserve.server.main.serve): gRPC health NOT_SERVING and HTTP /readyz 503,
-new calls of either transport UNAVAILABLE (503 over HTTP), calls in flight finish within
---grace-seconds, then both listeners and the scheduler stop.
+Drain (SIGTERM / SIGINT, tfserve.server.main.serve): new calls of every front end
+UNAVAILABLE (503 over HTTP), gRPC health NOT_SERVING and HTTP /readyz 503, calls in flight
+finish within --grace-seconds, then the front ends (in the reverse order) and the models'
+workers stop.
 """
 
 from __future__ import annotations
@@ -16,14 +18,18 @@ import logging
 import os
 from typing import Any
 
+from tfserve.frontends import FrontEnd, FrontEndFactory, Shared
+from tfserve.frontends.grpc_server import grpc_front_end
+from tfserve.frontends.http_server import http_front_end
+from tfserve.serving import ServingCore
 from tfserve.serving.auth import BearerAuth
-from tfserve.serving.core import ServingCore
-from tfserve.serving.grpc_server import GrpcServer
-from tfserve.serving.http_server import HttpServer
 from tfserve.serving.settings import ServerConfig
 from tfserve.telemetry.metrics import Metrics
 
 log = logging.getLogger("tfserve.server")
+# the front ends of a server process, in the order they bind (and the reverse of the order
+# they stop in); each factory gives None when the settings turn its front end off
+FRONT_ENDS: tuple[FrontEndFactory, ...] = (http_front_end, grpc_front_end)
 # file descriptors a server needs besides its clients' connections: listening sockets, the
 # event loop's and gRPC's own, model files, the metrics port's connections, logs
 RESERVED_FILES = 256
@@ -64,70 +70,38 @@ def open_files_for(config: ServerConfig) -> None:
 
 
 class TranslatorServer:
-    """ServingCore + gRPC + HTTP + metrics endpoint.
+    """ServingCore + its front ends + metrics endpoint.
 
-    `await start()` binds and serves; `await drain()` is the SIGTERM path. `runtime` is any
-    object with Runtime's interface (Backend + .tokenizer, .config, .manifest), served as the
-    one model (None: what the config names); `worker` is the index of one of --workers
-    processes (tfserve.server.worker_processes), which share their ports. Building it loads the
-    models
+    `await start()` binds and serves; `await drain()` is the SIGTERM path. `runtime` is a
+    model built by the caller (a tfserve.serving.ServedModel), served as the one model (None:
+    what the config names); `worker` is the index of one of --workers processes
+    (tfserve.server.worker_processes), which share their ports. Building it loads the models
     (--load eager) before any event loop runs.
     """
 
     def __init__(self, config: ServerConfig, runtime: Any | None = None,
-                 metrics: Metrics | None = None, worker: int | None = None) -> None:
+                 metrics: Metrics | None = None, worker: int | None = None,
+                 front_ends: tuple[FrontEndFactory, ...] = FRONT_ENDS) -> None:
         self.core = ServingCore(config, runtime, metrics)
         self.config = self.core.config
         self.worker = worker
-        self.metrics = self.core.metrics
-        self.repository = self.core.repository
-        # one check of the bearer token for both transports: one count of the calls it
+        # one check of the bearer token for every transport: one count of the calls it
         # refuses, one rate of warnings about them
-        self.auth = (BearerAuth(self.config.auth_token, self.metrics)
-                     if self.config.auth_token else None)
-        self.grpc = GrpcServer(self.core, shared_port=worker is not None, auth=self.auth)
-        self.health = self.grpc.health
-        self.http = (HttpServer(self.core, self.not_ready, shared_port=worker is not None,
-                                auth=self.auth)
-                     if self.config.http_port else None)
-        self.serving = False  # set once every listener serves; /readyz is 200 from then on
+        auth = (BearerAuth(self.config.auth_token, self.core.metrics)
+                if self.config.auth_token else None)
+        shared = Shared(self.core, self.not_ready, auth, shared_port=worker is not None)
+        self.front_ends: list[FrontEnd] = [
+            front_end for make in front_ends if (front_end := make(shared)) is not None]
+        self.serving = False  # set once every front end serves; /readyz is 200 from then on
 
-    # the default model's runtime and scheduler while it is loaded (None otherwise): a
-    # one-model server's, for tests and tools
-    @property
-    def runtime(self) -> Any:
-        return self.core.runtime
-
-    @property
-    def scheduler(self) -> Any:
-        return self.core.scheduler
-
-    # the core's state, read by the drain's log line and by tests
-    @property
-    def draining(self) -> bool:
-        return self.core.calls.draining
-
-    @property
-    def in_flight(self) -> int:
-        return self.core.calls.in_flight
-
-    @property
-    def metrics_port(self) -> int:
-        return self.core.metrics_port
-
-    @property
-    def port(self) -> int:
-        """The gRPC port (the one picked, for --port 0)."""
-        return self.grpc.port
-
-    @property
-    def http_port(self) -> int:
-        """The HTTP port (0: HTTP is off)."""
-        return self.http.port if self.http is not None else 0
+    def ports(self) -> dict[str, int]:
+        """Each front end's bound port, by its field in the `serving` log record (`port`:
+        gRPC's, the one picked for --port 0; `http_port`)."""
+        return {front_end.port_field: front_end.port for front_end in self.front_ends}
 
     def not_ready(self) -> str:
         """Why the server takes no calls now ("" when it does): /readyz reads it."""
-        if self.draining:
+        if self.core.calls.draining:
             return "the server is shutting down"
         if not self.serving:
             return "the server is starting"
@@ -137,27 +111,29 @@ class TranslatorServer:
         config = self.config
         open_files_for(config)
         self.core.serve_metrics()
+        bound: list[FrontEnd] = []
         try:
-            if self.http is not None:
-                await self.http.start()
-            self.grpc.bind()
+            for front_end in self.front_ends:
+                await front_end.bind()
+                bound.append(front_end)
         except BaseException:
-            if self.http is not None:
-                await self.http.stop()
-            self.metrics.close()
+            for front_end in reversed(bound):
+                await front_end.stop(0)
+            self.core.metrics.close()
             raise
         self.core.start()
-        await self.grpc.start()
+        for front_end in self.front_ends:
+            await front_end.serve()
         self.serving = True
-        default = self.core.default_model
+        repository = self.core.repository
+        default = repository.loaded()
         log.info("serving", extra={"fields": {
-            "event": "serving", "host": config.host, "port": self.port,
-            "http_port": self.http_port,
+            "event": "serving", "host": config.host, **self.ports(),
             **({} if self.worker is None else {"worker": self.worker, "pid": os.getpid()}),
-            "metrics_port": self.metrics_port,
+            "metrics_port": self.core.metrics_port,
             "model": default.runtime.config.name if default is not None else "",
-            "models": list(self.repository.slots),
-            "loaded": sorted(model.name for model in self.repository.resident),
+            "models": list(repository.slots),
+            "loaded": sorted(model.name for model in repository.resident),
             "tls": config.tls_cert is not None, "mutual_tls": config.tls_client_ca is not None,
             "auth": bool(config.auth_token),
             "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
@@ -169,22 +145,20 @@ class TranslatorServer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         self.core.begin_drain()
-        await self.grpc.not_serving()
-        log.info("draining", extra={"fields": {"event": "draining", "in_flight": self.in_flight,
-                                               "grace_seconds": grace}})
+        for front_end in self.front_ends:
+            await front_end.not_serving()
+        log.info("draining", extra={"fields": {
+            "event": "draining", "in_flight": self.core.calls.in_flight,
+            "grace_seconds": grace}})
         await self.core.wait_idle(grace)
         # what is left are health watches and reflection streams, or calls past the grace
-        await self.grpc.stop(min(max(deadline - loop.time(), 0.0), 1.0))
-        if self.http is not None:
-            await self.http.stop()
+        rest = min(max(deadline - loop.time(), 0.0), 1.0)
+        for front_end in reversed(self.front_ends):
+            await front_end.stop(rest)
         await self.core.stop()
 
     async def stop_now(self) -> None:
         """Stop without waiting for the calls in flight (a second signal during the drain)."""
-        await self.grpc.stop(0)
-        if self.http is not None:
-            await self.http.stop()
+        for front_end in reversed(self.front_ends):
+            await front_end.stop(0)
         self.core.stop_now()
-
-    async def wait_for_termination(self) -> None:
-        await self.grpc.wait_for_termination()

@@ -223,13 +223,14 @@ class Call:
         self._model_name = ""  # the model's name, kept past its release for the span
         self.texts = 0
         self.peer = peer
-        self.invalid = invalid  # raised by begin(): a message that did not parse, a bad id
+        # raised by begin(): a message that did not parse, a bad id (Call.refuse)
+        self.refusal: BaseException | None = invalid
         self.request_id = uuid.uuid4().hex
         if given_id:
             try:
                 self.request_id = check_request_id(given_id)
             except InvalidArgument as exc:
-                self.invalid = self.invalid or exc
+                self.refuse(exc)
         # None (or, in some grpc versions, a huge value) when the client set no deadline
         self.deadline = (time.monotonic() + time_remaining
                          if time_remaining is not None and time_remaining < 1e8 else None)
@@ -257,13 +258,24 @@ class Call:
             self.large = False
             self.calls.freed_memory.ended()
 
+    def refuse(self, exc: BaseException) -> None:
+        """The call fails with `exc` once it begins (unless it was refused for something
+        else already): an error found before the core takes the call (a request that did
+        not parse or convert), so that it is counted and logged like any failed call."""
+        self.refusal = self.refusal or exc
+
     def begin(self) -> None:
-        """Count the call in flight; refuse it while draining or when its input is invalid."""
+        """Count the call in flight; refuse it while draining, or with its refusal. The
+        core's RPC methods begin their call first thing."""
         self.calls.started()
         if self.calls.draining:
             raise Draining("the server is shutting down; retry on another replica")
-        if self.invalid is not None:
-            raise self.invalid
+        if self.refusal is not None:
+            raise self.refusal
+
+    async def accepted(self) -> None:
+        """The call's job is queued: a transport that answers with its headers first (a
+        gRPC stream) sends them now; nothing by default."""
 
     def use(self, model: LoadedModel) -> None:
         """The call runs on `model` (counted in its requests in flight by the repository):
@@ -304,8 +316,11 @@ class Call:
         return waiter
 
     async def wait(self, job: Job) -> list[Any]:
-        """The job's results; when the call is cancelled, the job is cancelled with it."""
-        return await self.watch(job)
+        """The job's results; when the call is cancelled, the job is cancelled with it. The
+        call is `accepted()` once the job is watched."""
+        waiter = self.watch(job)
+        await self.accepted()
+        return await waiter
 
     def expired(self) -> bool:
         """Whether the client's deadline has passed (the transport ends the call right at it).

@@ -1,34 +1,50 @@
 """The part of a server that does not depend on its transport: the models (a
 tfserve.serving.repository.ModelRepository, each loaded model with its own scheduler), the
-metrics, the calls in flight, and the steps of starting and draining.
+metrics, the calls in flight, the steps of each RPC, and the steps of starting and draining.
 
-A front end (tfserve.serving.grpc_server) owns one `ServingCore` and wraps its own listener
-around these steps:
+Each RPC is one method, the same for every front end (tfserve.frontends): plain values in (a
+`Call`, which carries the request id, the deadline, the peer and the trace context, and the
+request as TranslateInput / EncodeInput or a model's name and version), plain results out.
+Each begins its call (refused while draining, or with the error the call was refused for
+before it began: Call.refuse), finds the model, submits, waits and returns; the front end
+renders the result in its wire format and ends the call (`call.finish(Status.OK)` once its
+answer is made, or `call.failed(exc)` for the status to answer):
 
-    start:  serve_metrics() -> bind the transport -> start() -> accept calls
-    drain:  begin_drain() -> refuse new calls -> await wait_idle(grace) -> stop the
-            transport -> await stop()
+    translate         TranslateInput -> each input's hypotheses, with their texts
+    translate_stream  TranslateInput -> stream Chunks (text deltas, then each input's last)
+    encode            EncodeInput -> each input's Encoded (embedding, hidden states)
+    model_info        model name, version -> ModelInfo (loaded or described from its files)
+    list_models       -> every model's ModelStatus and the default model's name
 
-A call names its model: `await core.model(name, call)` loads it when needed and counts the
-call in the model's requests in flight until the call ends (so that the model is not
-unloaded under it).
+The server process (tfserve.server.translator_server) wraps its front ends' listeners around
+the core's own lifecycle:
+
+    start:  serve_metrics() -> bind the front ends -> start() -> they serve
+    drain:  begin_drain() -> refuse new calls -> await wait_idle(grace) -> stop the front
+            ends -> await stop()
+
+A call that runs on a model counts in the model's requests in flight until the call ends (so
+that the model is not unloaded under it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
-from tfserve.scheduler import Scheduler
+from tfserve.scheduler import Encoded
 from tfserve.serving.calls import Call, Calls
 from tfserve.serving.loaded import LoadedModel
 from tfserve.serving.model_info import ModelInfo, model_info, unloaded_model_info
 from tfserve.serving.model_scan import Entry
 from tfserve.serving.repository import ModelRepository, ModelStatus
-from tfserve.serving.requests import Submitter
+from tfserve.serving.requests import EncodeInput, TranslateInput
+from tfserve.serving.results import TextHypothesis, with_texts
 from tfserve.serving.settings import ServerConfig
 from tfserve.serving.status import ModelLoadFailed
+from tfserve.serving.stream import Chunk, TokenStream
 from tfserve.serving.tracing import start_tracing
 from tfserve.telemetry.metrics import Metrics
 
@@ -70,53 +86,48 @@ class ServingCore:
         # ModelInfo of models not loaded, by (name, version): read once from their files
         self._described: dict[tuple[str, str], ModelInfo] = {}
 
-    # the default model's parts, while it is loaded (a one-model server's, for tests and
-    # tools); None otherwise
-    @property
-    def default_model(self) -> LoadedModel | None:
-        return self.repository.loaded()
+    # -- the RPCs ---------------------------------------------------------------------------
 
-    @property
-    def runtime(self) -> Any:
-        model = self.default_model
-        return model.runtime if model is not None else None
+    async def translate(self, call: Call, request: TranslateInput
+                        ) -> list[list[TextHypothesis]]:
+        """Translate: the hypotheses of each input, in order, with their texts."""
+        call.begin()
+        model = await self._acquire(call, request.model, request.version)
+        job = await model.submitter.submit_translate(request, call)
+        return with_texts(await call.wait(job), model.decode)
 
-    @property
-    def scheduler(self) -> Scheduler | None:
-        model = self.default_model
-        return model.scheduler if model is not None else None
+    async def translate_stream(self, call: Call, request: TranslateInput
+                               ) -> AsyncIterator[Chunk]:
+        """TranslateStream: a chunk whenever an input's text grows, and one last chunk per
+        input; the job's error, if it failed, once its chunks are out."""
+        call.begin()
+        model = await self._acquire(call, request.model, request.version)
+        stream = TokenStream(asyncio.get_running_loop())
+        job = await model.submitter.submit_translate(request, call, stream.on_event)
+        call.job = job
+        await call.accepted()
+        stream.end_with(job)
+        async for chunk in stream.chunks(model.decode):
+            yield chunk
+        await call.wait(job)  # raises the job's error, if it failed
 
-    @property
-    def submitter(self) -> Submitter | None:
-        model = self.default_model
-        return model.submitter if model is not None else None
+    async def encode(self, call: Call, request: EncodeInput) -> list[Encoded]:
+        """Encode: each input's embedding (and hidden states, when asked for), in order."""
+        call.begin()
+        model = await self._acquire(call, request.model, request.version)
+        return await call.wait(await model.submitter.submit_encode(request, call))
 
-    async def model(self, name: str, call: Call) -> LoadedModel:
-        """The model `name` names (empty: the default), loaded, counted in flight with the
-        call until it ends (Call.finish releases it). ModelNotFound, InvalidArgument (empty
-        and no default), ModelCapacity or ModelLoadFailed otherwise."""
-        model = await self.repository.acquire(name)
-        call.use(model)
-        return model
-
-    def model_info(self, model: LoadedModel | None = None) -> ModelInfo:
-        """The ModelInfo of `model` (default: the default model, which must be loaded)."""
-        model = model or self.default_model
-        if model is None:
-            raise LookupError("the default model is not loaded")
-        return model_info(model.runtime, self.config, model.scheduler.max_new_tokens_limit,
-                          model.name, model.version)
-
-    async def describe(self, name: str, call: Call) -> ModelInfo:
-        """The ModelInfo of the model `name` names (empty: the default). A model that is not
-        loaded is described from its files without loading it (no sessions, so nothing
-        else is unloaded under --max-loaded-models; a model whose last load failed too: the
-        next request tries the load again); one whose files cannot be read answers
-        ModelLoadFailed with the reason, loading nothing."""
-        slot = self.repository.slot(name)
+    async def model_info(self, call: Call, name: str, version: str = "") -> ModelInfo:
+        """GetModelInfo of the model `name` names (empty: the default), at `version` ("":
+        whichever serves). A model that is not loaded is described from its files without
+        loading it (no sessions, so nothing else is unloaded under --max-loaded-models; a
+        model whose last load failed too: the next request tries the load again); one whose
+        files cannot be read answers ModelLoadFailed with the reason, loading nothing."""
+        call.begin()
+        slot = self.repository.slot(name, version)
         call.concerns(slot.name)
         if slot.model is not None:
-            return self.model_info(await self.model(name, call))
+            return self._loaded_info(await self._acquire(call, name, version))
         entry = slot.entry
         if entry.manifest_error:
             raise self._unreadable(entry, entry.manifest_error)
@@ -133,16 +144,31 @@ class ServingCore:
             self._described[key] = described
         return described
 
+    async def list_models(self, call: Call) -> tuple[list[ModelStatus], str]:
+        """ListModels: every model's status, and the default model's name ("" when there is
+        none)."""
+        call.begin()
+        return self.repository.statuses(), self.repository.default_name
+
+    async def _acquire(self, call: Call, name: str, version: str) -> LoadedModel:
+        """The model `name` names (empty: the default), loaded, counted in flight with the
+        call until it ends (Call.finish releases it). ModelNotFound, InvalidArgument (empty
+        and no default), ModelCapacity or ModelLoadFailed otherwise."""
+        model = await self.repository.acquire(name, version)
+        call.use(model)
+        return model
+
+    def _loaded_info(self, model: LoadedModel) -> ModelInfo:
+        """The ModelInfo of a loaded model."""
+        return model_info(model.runtime, self.config, model.scheduler.max_new_tokens_limit,
+                          model.name, model.version)
+
     def _unreadable(self, entry: Entry, reason: str) -> ModelLoadFailed:
         """A model described from its files that cannot be read: the log gets the full
         reason, the client the repository's (paths relative to the repository)."""
         log.warning("model %s: version %s cannot be described: %s", entry.name,
                     entry.version, reason)
         return self.repository.failure(entry, reason)
-
-    def list_models(self) -> tuple[list[ModelStatus], str]:
-        """Every model's status, and the default model's name ("" when there is none)."""
-        return self.repository.statuses(), self.repository.default_name
 
     def serve_metrics(self) -> None:
         """Open the metrics port (when there is one). First thing at start: a busy port then

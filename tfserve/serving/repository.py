@@ -201,9 +201,16 @@ class ModelRepository:
         more = f" and {len(names) - MAX_NAMES_SHOWN} more" if len(names) > MAX_NAMES_SHOWN else ""
         return f"the models are: {shown_names}{more} (ListModels, GET /v1/models)"
 
-    def slot(self, name: str) -> ModelSlot:
+    def slot(self, name: str, version: str = "") -> ModelSlot:
         """The slot a request's `model` names; ModelNotFound naming the models served, or
-        InvalidArgument when `model` is empty and there is no default."""
+        InvalidArgument when `model` is empty and there is no default. A `version` ("":
+        any) must be the one serving (ModelNotFound naming it otherwise)."""
+        found = self._named_slot(name)
+        if version:
+            self._check_version(found, version)
+        return found
+
+    def _named_slot(self, name: str) -> ModelSlot:
         if not self.slots:
             raise ModelNotFound(f"no model is served: {self._names_text()}")
         if not name:
@@ -222,6 +229,15 @@ class ModelRepository:
             raise ModelNotFound(f"model {shown(name)} is not served here; {self._names_text()}")
         return found
 
+    @staticmethod
+    def _check_version(slot: ModelSlot, version: str) -> None:
+        """ModelNotFound unless `version` is the slot's version serving (the loaded one, or
+        the one on disk while none is loaded)."""
+        serving = slot.model.version if slot.model is not None else slot.entry.version
+        if version != serving:
+            raise ModelNotFound(f"model {shown(slot.name)} has no version {shown(version)}: "
+                                f"its version is {serving!r}")
+
     def loaded(self, name: str = "") -> LoadedModel | None:
         """The version of `name` (empty: the default model) answering now, None when it is not
         loaded (or there is no such model)."""
@@ -230,13 +246,15 @@ class ModelRepository:
 
     # -- requests ---------------------------------------------------------------------------
 
-    async def acquire(self, name: str) -> LoadedModel:
+    async def acquire(self, name: str, version: str = "") -> LoadedModel:
         """The model a request names, loaded (waiting for its load), with the request counted
-        in its in-flight requests until `release`."""
-        slot = self.slot(name)
+        in its in-flight requests until `release`; at `version`, when one is given."""
+        slot = self.slot(name, version)
         while True:
             model = slot.model
             if model is not None:  # no await from here to the count: no unload in between
+                if version:
+                    self._check_version(slot, version)  # a version swapped in meanwhile
                 model.in_flight += 1
                 model.last_used = self.clock()
                 self.metrics.model_in_flight.labels(model.name).inc()

@@ -84,9 +84,12 @@ unset), and the model's generation default, else the server's, applies."""
 
 @dataclass(frozen=True)
 class TranslateInput:
-    """A translate request: texts or token ids (one of them), their languages, target
-    prefixes (none, one for all inputs, or one per input), and how to decode them."""
+    """A translate request: the model it names ("": the default model) and, optionally, its
+    version ("": whichever serves), texts or token ids (one of them), their languages,
+    target prefixes (none, one for all inputs, or one per input), and how to decode them."""
 
+    model: str = ""
+    version: str = ""
     texts: Sequence[str] = ()
     token_ids: Sequence[Sequence[int]] = ()
     truncate: bool = False
@@ -98,9 +101,12 @@ class TranslateInput:
 
 @dataclass(frozen=True)
 class EncodeInput:
-    """An encode request: texts, the pooling ("" for mean), per-token states or not, and
-    the texts' language ("" for the model's default)."""
+    """An encode request: the model and version it names (as TranslateInput), texts, the
+    pooling ("" for mean), per-token states or not, and the texts' language ("" for the
+    model's default)."""
 
+    model: str = ""
+    version: str = ""
     texts: Sequence[str] = ()
     truncate: bool = False
     pooling: str = ""

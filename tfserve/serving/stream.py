@@ -2,19 +2,20 @@
 become text deltas that add up to the final text.
 
 `TokenStream` carries one job's `StreamEvent`s from the worker thread to the event loop and
-turns them into `Chunk`s; `TextDelta` is the text logic for one input. A front end only
-converts each chunk into its own message.
+turns them into `Chunk`s, each input's last one with its hypotheses' texts; `TextDelta` is the
+text logic for one input. A front end only converts each chunk into its own message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tfserve.generation import Hypothesis
 from tfserve.scheduler import Job, StreamEvent
+from tfserve.serving.results import Decode, TextHypothesis, with_text
 
 log = logging.getLogger("tfserve.server")
 
@@ -28,7 +29,7 @@ class TextDelta:
     add no text yet wait in `unsent` and go out with the next chunk that has text.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, decode: Decode) -> None:
         self.decode = decode
         self.tokens: list[int] = []
         self.unsent: list[int] = []
@@ -64,16 +65,15 @@ class TextDelta:
 @dataclass
 class Chunk:
     """One streamed piece of input `index`: new text and the tokens behind it. The last one
-    (`done`) carries the best hypothesis and its text, and every hypothesis when the request
-    asked for more than one."""
+    (`done`) carries the best hypothesis, and every hypothesis when the request asked for
+    more than one, with their texts."""
 
     index: int
     text_delta: str
     token_ids: list[int]
     done: bool = False
-    final: Hypothesis | None = None
-    final_text: str = ""
-    hypotheses: list[Hypothesis] = field(default_factory=list)
+    final: TextHypothesis | None = None
+    hypotheses: list[TextHypothesis] = field(default_factory=list)
 
 
 class TokenStream:
@@ -100,7 +100,7 @@ class TokenStream:
         job.future.add_done_callback(
             lambda _: self.loop.call_soon_threadsafe(self.events.put_nowait, None))
 
-    async def chunks(self, decode: Callable[[list[int]], str]) -> AsyncIterator[Chunk]:
+    async def chunks(self, decode: Decode) -> AsyncIterator[Chunk]:
         """A chunk whenever an input's text grows, and one last chunk per input."""
         deltas: dict[int, TextDelta] = {}
         while True:
@@ -118,6 +118,8 @@ class TokenStream:
             best = event.hypotheses[0]
             best_text = decode(best.token_ids)
             new_tokens, rest = delta.finish(best, best_text)
+            final = with_text(best, decode, best_text)
+            # every hypothesis only when the request asked for more than one
+            hypotheses = [final, *(with_text(found, decode) for found in event.hypotheses[1:])]
             yield Chunk(event.index, head + rest, delta.take_unsent() + new_tokens, done=True,
-                        final=best, final_text=best_text,
-                        hypotheses=event.hypotheses if len(event.hypotheses) > 1 else [])
+                        final=final, hypotheses=hypotheses if len(hypotheses) > 1 else [])
