@@ -50,6 +50,8 @@ except ImportError:  # Python 3.10: pip vendors a TOML parser
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = ("translator_pb2.py", "translator_pb2.pyi", "translator_pb2_grpc.py")
 STUB_DIR = "tfserve/proto/tfserve/v1"
+# the Open Inference Protocol's (proto/inference/grpc_service.proto)
+INFERENCE_STUBS = ("grpc_service_pb2.py", "grpc_service_pb2.pyi", "grpc_service_pb2_grpc.py")
 PROTO = "proto/tfserve/v1/translator.proto"
 NON_ROOT_USER = "nobody"
 # what the checks' subprocesses may take at most: a safety net, every wait is for a state
@@ -358,6 +360,7 @@ def test_wheel_ships_the_stubs_and_needs_no_build_tools(built: Built, work: Path
         metadata = wheel.read(next(n for n in names if n.endswith(".dist-info/METADATA")))
         wheel.extractall(work / "wheel")
     assert {f"{STUB_DIR}/{name}" for name in STUBS} <= names
+    assert {f"tfserve/proto/inference/{name}" for name in INFERENCE_STUBS} <= names
     assert "tfserve/proto/tfserve/SOURCE_SHA256" in names
     # the HTTP front end's page (GET /), with whatever else its directory holds
     static = ROOT / "tfserve" / "frontends" / "static"

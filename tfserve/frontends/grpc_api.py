@@ -88,6 +88,8 @@ class GrpcCall(Call):
     """A Call over a grpc.aio context: request id from the message or the metadata, the
     deadline from the context, the id echoed back in metadata, failures as statuses."""
 
+    service = SERVICE_NAME  # the rpcs' service (the Open Inference Protocol's: oip_grpc)
+
     def __init__(self, core: ServingCore, rpc: str, received: Received,
                  context: grpc.aio.ServicerContext, streaming: bool = False) -> None:
         metadata = dict(context.invocation_metadata() or ())
@@ -99,7 +101,7 @@ class GrpcCall(Call):
         super().__init__(core.calls, rpc, given_id=str(given), peer=context.peer(),
                          time_remaining=context.time_remaining(),
                          invalid=malformed.invalid() if malformed is not None else None,
-                         trace_carrier=metadata)
+                         trace_carrier=metadata, service=self.service)
         self.context = context
         self.streaming = streaming
         self.metadata_sent = False
@@ -175,13 +177,14 @@ class GrpcCall(Call):
 Handler = Callable[..., Awaitable[Any]]
 
 
-def unary(rpc: str) -> Callable[[Handler], Handler]:
-    """Wrap a unary servicer method `(self, request, call) -> response` in a GrpcCall."""
+def unary(rpc: str, call_class: type[GrpcCall] = GrpcCall) -> Callable[[Handler], Handler]:
+    """Wrap a unary servicer method `(self, request, call) -> response` in a GrpcCall (of
+    `call_class`)."""
 
     def wrap(method: Handler) -> Handler:
         async def handler(self: TranslatorService, received: Received,
                           context: grpc.aio.ServicerContext) -> Any:
-            call = GrpcCall(self.core, rpc, received, context)
+            call = call_class(self.core, rpc, received, context)
             try:
                 # the core begins the call: a message that did not parse fails it then
                 response = await method(self, received.message, call)

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tfserve.frontends.front_end import Shared
 from tfserve.frontends.grpc_api import SERVICE_NAME, TranslatorService, add_translator_service
+from tfserve.frontends.oip_grpc import add_inference_service
 from tfserve.serving import REQUEST_ID_KEY, ServingCore
 from tfserve.serving.auth import REPEATED, BearerAuth
 from tfserve.serving.settings import ServerConfig
@@ -156,6 +157,7 @@ class GrpcServer:
         server = grpc.aio.server(options=server_options(config, self.shared_port),
                                  interceptors=interceptors)
         add_translator_service(TranslatorService(self.core), server)
+        add_inference_service(self.core, server)  # the Open Inference Protocol, on this port
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

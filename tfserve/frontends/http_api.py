@@ -202,6 +202,11 @@ async def read_message(request: web.Request, message_class: Any) -> Any:
         given = request.headers.get("Content-Type")
         raise InvalidArgument("the request body must be JSON: Content-Type application/json, "
                               f"got {shown(given) if given else 'none'}")
+    return from_json(await read_body(request), message_class)
+
+
+async def read_body(request: web.Request) -> bytearray:
+    """The request's body; BodyTooLarge past --max-message-bytes."""
     # read from the stream, not with request.read(), which keeps the body on the request:
     # aiohttp holds a keep-alive connection's last request until the next one comes, and
     # with it a body of up to --max-message-bytes long after its call ended
@@ -212,13 +217,46 @@ async def read_message(request: web.Request, message_class: Any) -> Any:
         if len(body) > limit:
             raise BodyTooLarge(f"the request body is over the server's --max-message-bytes "
                                f"of {limit} bytes")
-    return from_json(body, message_class)
+    return body
 
 
 MAX_BODY = web.AppKey("max_body", int)
 # set on a request whose connection the server closed while its body was still to come
 # (--http-body-timeout-seconds, tfserve.frontends.http_server): no call is made of it
 BODY_DROPPED = web.RequestKey("body_dropped", bool)
+
+
+async def read_call(core: ServingCore, request: web.Request, rpc: str,
+                    read: Callable[[web.Request], Awaitable[Any]],
+                    call_class: type[HttpCall] = HttpCall,
+                    empty: Callable[[], Any] = lambda: None) -> tuple[Any, Any]:
+    """A call with a body: the call (a `call_class`) and the request message `read` makes of
+    the body (`empty()` for a body that is not one). Why the body is not one is the call's
+    refusal (Call.refuse): raised when the core begins the call, so that it is counted and
+    logged like any failed call."""
+    message: Any = None
+    body_error: BaseException | None = None
+    try:
+        message = await read(request)
+    except (asyncio.CancelledError, ConnectionError):
+        # the connection was lost before the body's end (the handler is cancelled with it,
+        # or its read finds the body cut off): unless the server closed it for its late body
+        # (not a call), the client left, and the call is CANCELLED (one access record), as
+        # when it leaves later
+        if request.get(BODY_DROPPED):
+            raise
+        body_error = asyncio.CancelledError()
+    except (HttpProcessingError, web.RequestPayloadError) as exc:
+        # the body's bytes break its framing: the client's error, a 400 naming it
+        body_error = InvalidArgument(body_problem(request, exc))
+    except Exception as exc:  # InvalidArgument, BodyTooLarge; anything else is the call's
+        # INTERNAL error, logged and counted like any failed call's
+        body_error = exc
+    call = call_class(core, rpc, request, message)
+    if body_error is not None:
+        call.refuse(body_error)
+        message = empty()
+    return call, message
 
 
 # -- the routes -----------------------------------------------------------------------------
@@ -299,33 +337,12 @@ class HttpApi:
     async def _call(self, request: web.Request, rpc: str, message_class: Any
                     ) -> tuple[HttpCall, Any]:
         """The call and its request message (None without a body; an empty one for a body
-        that is not one). Why the body is not one is the call's refusal (Call.refuse): raised
-        when the core begins the call, so that it is counted and logged like any failed
-        call."""
-        message: Any = None
-        body_error: BaseException | None = None
-        if message_class is not None:
-            try:
-                message = await read_message(request, message_class)
-            except (asyncio.CancelledError, ConnectionError):
-                # the connection was lost before the body's end (the handler is cancelled
-                # with it, or its read finds the body cut off): unless the server closed it
-                # for its late body (not a call), the client left, and the call is CANCELLED
-                # (one access record), as when it leaves later
-                if request.get(BODY_DROPPED):
-                    raise
-                body_error = asyncio.CancelledError()
-            except (HttpProcessingError, web.RequestPayloadError) as exc:
-                # the body's bytes break its framing: the client's error, a 400 naming it
-                body_error = InvalidArgument(body_problem(request, exc))
-            except Exception as exc:  # InvalidArgument, BodyTooLarge; anything else is the
-                # call's INTERNAL error, logged and counted like any failed call's
-                body_error = exc
-        call = HttpCall(self.core, rpc, request, message)
-        if body_error is not None:
-            call.refuse(body_error)
-            message = message_class()
-        return call, message
+        that is not one: read_call)."""
+        if message_class is None:
+            return HttpCall(self.core, rpc, request), None
+        return await read_call(self.core, request, rpc,
+                               lambda given: read_message(given, message_class),
+                               HttpCall, message_class)
 
     async def _unary(self, request: web.Request, rpc: str, message_class: Any,
                      answer: Callable[[Any, HttpCall], Awaitable[bytes]]) -> web.Response:
@@ -443,8 +460,8 @@ class HttpApi:
         """The repository's per-model health (as gRPC's `tfserve.v1.Translator/<model>`)
         under the server's own readiness."""
         name = request.match_info["name"]
-        try:
-            slot = self.core.repository.slot(name)
+        try:  # /v2/models/{name}/versions/{version}/ready too (tfserve.frontends.oip_rest)
+            slot = self.core.repository.slot(name, request.match_info.get("version", ""))
         except ModelNotFound as exc:
             return error_response(Status.NOT_FOUND.name, str(exc), 404)
         reason = self.ready_reason()

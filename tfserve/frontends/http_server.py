@@ -52,6 +52,7 @@ from tfserve.frontends.http_api import (
     make_app,
     malformed_reason,
 )
+from tfserve.frontends.oip_rest import add_routes as add_oip_routes
 from tfserve.serving import ServingCore, Status
 from tfserve.serving.auth import BearerAuth
 from tfserve.serving.settings import ServerConfig
@@ -313,6 +314,7 @@ class HttpServer:
         self.config = core.config
         self.shared_port = shared_port
         self.app = make_app(core, ready, auth)
+        add_oip_routes(self.app, core, ready)  # the Open Inference Protocol, on this port
         self.app.middlewares.insert(0, request_phases)  # frozen when the runner is set up
         self.port = 0
         self.connections: Connections | None = None

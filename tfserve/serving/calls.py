@@ -210,10 +210,11 @@ class Call:
                  time_remaining: float | None = None,
                  invalid: InvalidArgument | None = None,
                  trace_carrier: Mapping[str, str] | None = None,
-                 trace_name: str = "") -> None:
+                 trace_name: str = "", service: str = SERVICE) -> None:
         """`trace_carrier`: the call's metadata or headers (name -> value), where the trace
         context the client sent is read when tracing is on (`traceparent`, `tracestate`);
-        `trace_name` names its span (default "tfserve.v1.Translator/<rpc>")."""
+        `service`: the API the rpc belongs to (its span's rpc.service); `trace_name` names its
+        span (default "<service>/<rpc>")."""
         self.calls = calls
         self.rpc = rpc
         self.started = time.perf_counter()
@@ -237,8 +238,8 @@ class Call:
         self.span: CallSpan | None = None  # with tracing on
         if calls.tracing is not None:
             self.span = calls.tracing.start(
-                trace_name or f"{SERVICE}/{rpc}", rpc, self.request_id,
-                trace_carrier)
+                trace_name or f"{service}/{rpc}", rpc, self.request_id,
+                trace_carrier, service)
 
     def received(self, size: int) -> None:
         """The request message is `size` bytes (as received: protobuf, or the JSON body).

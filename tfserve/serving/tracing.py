@@ -156,14 +156,14 @@ class Tracing:
         self._error = lambda details: trace.Status(trace.StatusCode.ERROR, details)
 
     def start(self, name: str, rpc: str, request_id: str,
-              carrier: Mapping[str, str] | None) -> CallSpan:
-        """A started span for a call that arrives now."""
+              carrier: Mapping[str, str] | None, service: str = SERVICE) -> CallSpan:
+        """A started span for a call of `service`'s `rpc` that arrives now."""
         start_ns, start_perf = time.time_ns(), time.perf_counter()
         # an empty Context, not the loop's current one: with no traceparent, a new trace
         context = self._extract(carrier, context=self._empty()) if carrier else self._empty()
         span = self.tracer.start_span(
             name, context=context, kind=self._server, start_time=start_ns,
-            attributes={"rpc.service": SERVICE, "rpc.method": rpc,
+            attributes={"rpc.service": service, "rpc.method": rpc,
                         "tfserve.request_id": request_id})
         return CallSpan(span, start_ns, start_perf)
 
