@@ -232,3 +232,28 @@ def test_unknown_kind_names_the_field_and_the_known_kinds(tiny_spm_dir: Path, ki
         TokenizerSpec.from_dict({"source": "source.spm", "kind": kind})
     with pytest.raises(TokenizerError, match=message):
         Tokenizer(tiny_spm_dir, TokenizerSpec(source="source.spm", kind=kind))
+
+
+def test_spiece_model_reads_what_sentencepiece_reads(tiny_spm_bytes: bytes) -> None:
+    """tfserve's own ModelProto messages (any protobuf runtime) read a model file's pieces,
+    trainer and normalizer fields as sentencepiece's generated module does, and keep the
+    fields they do not declare when the model is written again."""
+    sentencepiece_model_pb2 = pytest.importorskip("sentencepiece.sentencepiece_model_pb2")
+    from tfserve.text.tokenizers.spiece_model import parse_model
+
+    ours = parse_model(tiny_spm_bytes)
+    theirs = sentencepiece_model_pb2.ModelProto()
+    theirs.ParseFromString(tiny_spm_bytes)
+    assert [(p.piece, p.score, p.type) for p in ours.pieces] == \
+        [(p.piece, p.score, p.type) for p in theirs.pieces]
+    for name in ("model_type", "unk_id", "eos_piece"):
+        assert getattr(ours.trainer_spec, name) == getattr(theirs.trainer_spec, name), name
+    assert ours.normalizer_spec.precompiled_charsmap == \
+        theirs.normalizer_spec.precompiled_charsmap
+    ours.pieces.add(piece="\u2581zz", score=-99.0)
+    theirs.pieces.add(piece="\u2581zz", score=-99.0)
+    again = sentencepiece_model_pb2.ModelProto()
+    again.ParseFromString(ours.SerializeToString())
+    assert again == theirs
+    with pytest.raises(Exception, match="(?i)error|truncated|parse"):
+        parse_model(b"\x0a\xff")

@@ -236,7 +236,8 @@ def t5_spiece(lines: list[str], pieces: int) -> bytes:
     import io
 
     import sentencepiece as spm
-    from sentencepiece import sentencepiece_model_pb2
+
+    from tfserve.text.tokenizers.spiece_model import parse_model
 
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -244,8 +245,7 @@ def t5_spiece(lines: list[str], pieces: int) -> bytes:
         model_type="unigram", character_coverage=1.0, hard_vocab_limit=False, minloglevel=2,
         pad_id=0, eos_id=1, unk_id=2, bos_id=-1, pad_piece="<pad>", eos_piece="</s>",
         unk_piece="<unk>")
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(model.getvalue())
+    proto = parse_model(model.getvalue())
     lowest = min(piece.score for piece in proto.pieces)
     known = {piece.piece for piece in proto.pieces}
     index = 0

@@ -8,6 +8,13 @@ from typing import Any
 
 from tfserve.text.tokenizer import WORD_BOUNDARY, TokenizerError
 from tfserve.text.tokenizers.hf_json import HFJsonTokenizer
+from tfserve.text.tokenizers.spiece_model import (
+    CONTROL,
+    UNIGRAM,
+    UNKNOWN,
+    USER_DEFINED,
+    parse_model,
+)
 
 
 def t5_from_spiece(path: Path, extra_ids: int) -> Any:
@@ -21,7 +28,6 @@ def t5_from_spiece(path: Path, extra_ids: int) -> Any:
     sentinels matched in the text and dropped from decoded text as special tokens; </s>
     appended.
     """
-    from sentencepiece import sentencepiece_model_pb2
     from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers, processors
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers.models import Unigram
@@ -30,14 +36,13 @@ def t5_from_spiece(path: Path, extra_ids: int) -> Any:
         raise TokenizerError(f"SentencePiece model not found: {path}")
     if isinstance(extra_ids, bool) or not isinstance(extra_ids, int) or extra_ids < 0:
         raise TokenizerError(f"tokenizer extra_ids must be an integer >= 0, got {extra_ids!r}")
-    proto = sentencepiece_model_pb2.ModelProto()
     try:
-        proto.ParseFromString(path.read_bytes())
+        proto = parse_model(path.read_bytes())
     except Exception as exc:  # protobuf's DecodeError, OSError
         raise TokenizerError(f"cannot load SentencePiece model {path}: {exc}") from exc
     if not proto.pieces:
         raise TokenizerError(f"cannot load SentencePiece model {path}: no pieces")
-    if proto.trainer_spec.model_type != 1:  # UNIGRAM
+    if proto.trainer_spec.model_type != UNIGRAM:
         raise TokenizerError(f"{path} is not a unigram SentencePiece model (T5's kind)")
     vocab = [(piece.piece, piece.score) for piece in proto.pieces]
     sentinels = [f"<extra_id_{i}>" for i in range(extra_ids - 1, -1, -1)]
@@ -53,10 +58,9 @@ def t5_from_spiece(path: Path, extra_ids: int) -> Any:
     ])
     tokenizer.decoder = decoders.Metaspace(replacement=WORD_BOUNDARY, prepend_scheme="always",
                                            split=True)
-    # sentencepiece ModelProto.SentencePiece.Type: transformers lists the control and
-    # user-defined pieces (MADLAD's <2xx>) among T5Tokenizer's special tokens
-    unknown, control, user_defined = 2, 3, 4
-    special = [p.piece for p in proto.pieces if p.type in (unknown, control, user_defined)]
+    # transformers lists the control and user-defined pieces (MADLAD's <2xx>) among
+    # T5Tokenizer's special tokens
+    special = [p.piece for p in proto.pieces if p.type in (UNKNOWN, CONTROL, USER_DEFINED)]
     tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                   for t in special + sentinels])
     eos = proto.trainer_spec.eos_piece or "</s>"
