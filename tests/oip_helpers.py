@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from exported import DEMO_VOCAB_FILES, WORK, demo_artifacts, demo_vocab_config
@@ -72,3 +74,33 @@ def grpc_url(server: ServerThread) -> str:
 def http_url(server: ServerThread) -> str:
     """The HTTP front end's host:port, as tritonclient takes it (no scheme)."""
     return server.http_url.removeprefix("http://")
+
+
+@contextmanager
+def spans_of(server: ServerThread) -> Iterator[Any]:
+    """The server's calls traced into an in-memory exporter (which this yields) while the
+    block runs; skipped without OpenTelemetry's SDK."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tfserve.serving.tracing import Tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    calls = server.server.core.calls
+    calls.tracing = Tracing(provider.get_tracer("tfserve-test"))
+    try:
+        yield exporter
+    finally:
+        calls.tracing = None
+        provider.shutdown()
+
+
+def one_span(server: ServerThread, exporter: Any) -> Any:
+    """The one span exported (waited for on the server's loop)."""
+    server.wait_until(lambda: len(exporter.get_finished_spans()) >= 1)
+    (span,) = exporter.get_finished_spans()
+    return span

@@ -22,7 +22,9 @@ from oip_helpers import (
     grpc_url,
     oip_repository,
     oip_server,
+    one_span,
     served,  # noqa: F401 (the `server` fixture)
+    spans_of,
 )
 from server_helpers import ServerThread, demo_trained
 
@@ -31,6 +33,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not demo_trained(), reason="the demo checkpoint is not trained")
 WAIT = 120.0  # seconds: a safety net for the waits on the clients' callbacks
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 @pytest.fixture
@@ -194,3 +197,17 @@ def test_auth_token_is_required_when_set(tmp_path: Path) -> None:
         finally:
             client.close()
 
+
+
+def test_calls_are_traced_as_the_protocols(client: Any, server: ServerThread) -> None:
+    with spans_of(server) as exporter:
+        client.infer("demo", [text_input(["seven"])], request_id="traced-oip",
+                     headers={"traceparent": TRACEPARENT})
+        span = one_span(server, exporter)
+    assert span.name == "inference.GRPCInferenceService/ModelInfer"
+    assert format(span.context.trace_id, "032x") == TRACEPARENT.split("-")[1]
+    attributes = dict(span.attributes)
+    assert (attributes["rpc.service"], attributes["rpc.method"]) == (
+        "inference.GRPCInferenceService", "ModelInfer")
+    assert (attributes["tfserve.request_id"], attributes["tfserve.model"],
+            attributes["tfserve.status"]) == ("traced-oip", "demo", "OK")

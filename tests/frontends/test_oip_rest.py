@@ -27,7 +27,9 @@ from oip_helpers import (
     http_url,
     oip_repository,
     oip_server,
+    one_span,
     served,  # noqa: F401 (the `server` fixture)
+    spans_of,
 )
 from server_helpers import ServerThread, demo_trained
 
@@ -172,6 +174,19 @@ def test_errors_of_the_route(client: object, server: ServerThread) -> None:
         urllib.request.urlopen(request, timeout=60)
     assert failed.value.code == 400
     assert json.loads(failed.value.read())["error"].startswith("the request body is not valid")
+
+
+def test_calls_are_traced_and_carry_their_request_id(client: object,
+                                                     server: ServerThread) -> None:
+    with spans_of(server) as exporter:
+        result = client.infer("demo", [text_input(["seven"])], request_id="rest-traced")
+        span = one_span(server, exporter)
+    assert result.get_response()["id"] == "rest-traced"
+    assert span.name == "POST /v2/models/demo/infer"
+    attributes = dict(span.attributes)
+    assert (attributes["rpc.service"], attributes["rpc.method"]) == (
+        "inference.GRPCInferenceService", "ModelInfer")
+    assert attributes["tfserve.request_id"] == "rest-traced"
 
 
 def test_auth_token_is_required_when_set(tmp_path: Path) -> None:

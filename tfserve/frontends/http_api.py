@@ -77,6 +77,7 @@ from tfserve.serving import (
 )
 from tfserve.serving.auth import REPEATED, BearerAuth
 from tfserve.serving.calls import CALL_ENDED
+from tfserve.serving.tracing import SERVICE
 
 log = logging.getLogger("tfserve.server")
 
@@ -150,6 +151,8 @@ class HttpCall(Call):
     """A Call over an HTTP request: the id from the body or the x-request-id header, the
     deadline from x-request-timeout-ms, the request's headers as the trace context."""
 
+    service = SERVICE  # the API its rpcs belong to (the Open Inference Protocol's: oip_rest)
+
     def __init__(self, core: ServingCore, rpc: str, request: web.Request,
                  message: Any = None) -> None:
         given = getattr(message, "request_id", "") or request.headers.get(REQUEST_ID_KEY, "")
@@ -161,7 +164,7 @@ class HttpCall(Call):
         super().__init__(core.calls, rpc, given_id=given, peer=peer_name(request),
                          time_remaining=seconds or None, invalid=timeout_error,
                          trace_carrier=request.headers,
-                         trace_name=f"{request.method} {request.path}")
+                         trace_name=f"{request.method} {request.path}", service=self.service)
         self.received(request.content_length or 0)
         task = asyncio.current_task()
         if self.large and task is not None:

@@ -35,6 +35,7 @@ from tfserve.frontends.oip_tensors import (
     BYTES,
     FINAL_RESPONSE,
     PLATFORM,
+    SERVICE_NAME,
     InferRequest,
     Tensor,
     TensorSpec,
@@ -58,7 +59,7 @@ from tfserve.version import __version__
 
 pb2, pb2_grpc = load_inference()
 SERVICE = pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-SERVICE_NAME = SERVICE.full_name  # inference.GRPCInferenceService
+assert SERVICE.full_name == SERVICE_NAME, SERVICE.full_name
 _DONE = object()  # a stream's reader or one of its requests has ended
 
 

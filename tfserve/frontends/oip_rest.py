@@ -32,6 +32,7 @@ from tfserve.frontends.http_api import HTTP_STATUS, BodyTooLarge, HttpCall, read
 from tfserve.frontends.oip_tensors import (
     BYTES,
     PLATFORM,
+    SERVICE_NAME,
     InferRequest,
     Tensor,
     bytes_elements,
@@ -59,6 +60,8 @@ NATIVE_MODEL_READY = MODEL + "/ready"  # served by tfserve.frontends.http_api
 
 class OipHttpCall(HttpCall):
     """An HttpCall answering failures as the protocol does: `{"error": "<message>"}`."""
+
+    service = SERVICE_NAME
 
     def error(self, exc: BaseException) -> web.Response:
         exc = protocol_error(exc)

@@ -58,6 +58,8 @@ SCORE = "score"
 EMBEDDING = "embedding"
 
 PLATFORM = "tfserve"  # a model's `platform` in its metadata (the KServe model format's name)
+# the protocol's gRPC service: its rpcs' names (ModelInfer, ...) are the calls' over REST too
+SERVICE_NAME = "inference.GRPCInferenceService"
 
 BYTES = "BYTES"
 FP32 = "FP32"
