@@ -243,9 +243,44 @@ class ServerThread:
         self.stop()
 
 
+# a backend's model runs, by method, and the stage each one is: the encoder for translate
+# requests, the encoder for Encode requests (a backend with `hidden_states`), a decoder step
+MODEL_RUNS = {"encode": "encode", "hidden_states": "embed", "step": "step"}
+
+
+def observed_run(run: Callable[..., Any], stage: str,
+                 before: Callable[[str], None]) -> Callable[..., Any]:
+    """`run` (a backend's model run) calling `before(stage)` first."""
+
+    def observed(*args: Any, **kwargs: Any) -> Any:
+        before(stage)
+        return run(*args, **kwargs)
+
+    return observed
+
+
+class ObservedBackend:
+    """A backend whose model runs (MODEL_RUNS) call `before(stage)` first, for a scheduler
+    built over it: raising from `before` fails the run, blocking in it holds the model.
+    Everything else is the backend's own."""
+
+    def __init__(self, backend: Any, before: Callable[[str], None] | None = None) -> None:
+        self.backend = backend
+        self.before = before  # may be set late: read at each run
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.backend, name)
+        if name not in MODEL_RUNS:
+            return value
+        return observed_run(value, MODEL_RUNS[name],
+                            lambda stage: self.before(stage) if self.before else None)
+
+
 class Gate:
-    """A scheduler test hook that holds the worker before each decoder step until the test lets
-    it go, and records every model call: requests are provably still running while it holds.
+    """Holds a running server's worker before each decoder step until the test lets it go, and
+    records every model run: requests are provably still running while it holds. It wraps the
+    model runs of the scheduler's backend (the loaded runtime) while it is open, as
+    ObservedBackend does for a scheduler built over one.
 
         with Gate(server.scheduler) as gate:    # holds from here; opens on exit
             ... send requests ...
@@ -253,8 +288,8 @@ class Gate:
             gate.step()                         # one step goes through, then it holds again
             gate.open()                         # every step goes through from now on
 
-    `calls` lists (stage, rows decoding) for every model call ("encode", "embed", "step"), in
-    order; `fail_next(stage)` makes the next call of that stage raise (a failed model run).
+    `calls` lists (stage, rows decoding) for every model run ("encode", "embed", "step"), in
+    order; `fail_next(stage)` makes the next run of that stage raise (a failed model run).
     """
 
     def __init__(self, scheduler: Any) -> None:
@@ -267,12 +302,23 @@ class Gate:
         self._failures: list[str] = []
 
     def __enter__(self) -> Gate:
-        self.scheduler.test_hook = self
+        backend = self.scheduler.backend
+        for method, stage in MODEL_RUNS.items():
+            run = getattr(backend, method, None)
+            if run is not None:  # on the instance: what the scheduler's parts call
+                setattr(backend, method, observed_run(run, stage, self._worker_run))
         return self
+
+    def _worker_run(self, stage: str) -> None:
+        """Before a run of the backend: gated when it is this scheduler's worker's (another
+        server's, over the same runtime, goes through)."""
+        if threading.current_thread() is self.scheduler._thread:
+            self(stage)
 
     def __exit__(self, *exc: object) -> None:
         self.open()
-        self.scheduler.test_hook = None
+        for method in MODEL_RUNS:
+            self.scheduler.backend.__dict__.pop(method, None)
 
     def __call__(self, stage: str) -> None:  # the worker thread
         batch = self.scheduler._batch
@@ -318,8 +364,10 @@ class Gate:
 def wait_queued(scheduler: Any, count: int, timeout: float = 60.0) -> None:
     """Wait until `count` inputs wait in the scheduler's queues, not taken by the worker yet
     (every submit notifies the scheduler's condition)."""
+    policy = scheduler.policy
+
     def queued() -> int:
-        return len(scheduler._translate_queue) + len(scheduler._encode_queue)
+        return len(policy.translate_queue) + len(policy.encode_queue)
 
     with scheduler._cond:
         if not scheduler._cond.wait_for(lambda: queued() >= count, timeout):
@@ -329,18 +377,21 @@ def wait_queued(scheduler: Any, count: int, timeout: float = 60.0) -> None:
 # the sitecustomize module of a ProcessGate: Python imports it in every process it starts with
 # the gate's directory on PYTHONPATH (the server, and each of its --workers)
 _GATE_SITECUSTOMIZE = '''"""A test gate (tests/server_helpers.py, ProcessGate): while its socket
-exists, each decoder step of this process connects to it and waits until the test lets go."""
+exists, each decoder step of a scheduler's worker thread in this process connects to it and
+waits until the test lets go."""
 import os
 import socket
+import threading
 
 
 def _install(path):
-    from tfserve.scheduler import Scheduler
+    from tfserve.runtime import Runtime
 
-    model_call = Scheduler._model_call
+    step = Runtime.step
 
-    def gated_model_call(self, stage):
-        if stage == "step" and os.path.exists(path):
+    def gated_step(self, *args, **kwargs):
+        # the schedulers' steps, not the warm-up step of a model's load
+        if threading.current_thread().name == "tfserve-worker" and os.path.exists(path):
             with socket.socket(socket.AF_UNIX) as gate:
                 try:
                     gate.connect(path)
@@ -348,9 +399,9 @@ def _install(path):
                     gate.recv(1)  # returns (or fails) when the test closes the gate
                 except OSError:
                     pass  # the gate closed meanwhile
-        model_call(self, stage)
+        return step(self, *args, **kwargs)
 
-    Scheduler._model_call = gated_model_call
+    Runtime.step = gated_step
 
 
 if os.environ.get("TFSERVE_TEST_STEP_GATE"):
@@ -368,9 +419,9 @@ class ProcessGate:
             gate.release()    # every step goes through again
 
     The server under test is the real `python -m tfserve serve`: the gate comes in through a
-    sitecustomize module on PYTHONPATH, which wraps Scheduler._model_call (the call before every
-    model run) in each process, --workers included; without hold() a step only checks that the
-    gate's socket does not exist.
+    sitecustomize module on PYTHONPATH, which wraps the runtime's decoder step in each process,
+    --workers included; without hold() a step only checks that the gate's socket does not
+    exist.
     """
 
     def __init__(self) -> None:

@@ -29,6 +29,7 @@ from tfserve.scheduler import (
     Scheduler,
     SchedulerConfig,
     Take,
+    TakeMode,
     WorkItem,
 )
 
@@ -119,15 +120,15 @@ def test_each_pass_admits_what_fits_and_retires_what_finished() -> None:
     short, long_a, long_b = [2, EOS], [6, 3, EOS], [5, 4, EOS]  # answers of 3, 7, 6 tokens
     jobs = [scheduler.submit_translate([source], beams) for source in (short, long_a, long_b)]
     scheduler.run_once()
-    assert len(scheduler._batch) == 2 and len(scheduler._translate_queue) == 1
+    assert len(scheduler._batch) == 2 and len(scheduler.policy.translate_queue) == 1
     passes = 1
     while not jobs[0].done:
-        assert len(scheduler._translate_queue) == 1, "the third waits: no rows are free"
+        assert len(scheduler.policy.translate_queue) == 1, "the third waits: no rows are free"
         scheduler.run_once()
         passes += 1
     assert passes == 4  # 3 tokens + eos: four steps
     scheduler.run_once()
-    assert not scheduler._translate_queue and len(scheduler._batch) == 2
+    assert not scheduler.policy.translate_queue and len(scheduler._batch) == 2
     drive(scheduler, jobs)
     for job, source in zip(jobs, (short, long_a, long_b), strict=True):
         assert answer(job) == alone(source, beams)
@@ -379,7 +380,7 @@ def test_policy_starts_a_lone_request_at_once() -> None:
     policy = make_policy(clock)
     items = arrive(policy, clock)
     assert policy.batching_wait(IDLE) == 0
-    assert policy.take(IDLE) == Take(items, [], "join", [])
+    assert policy.take(IDLE) == Take(items, [], TakeMode.JOIN, [])
     assert not policy.queued and policy.queued_jobs == 0
     assert items[0].job.queue_seconds == 0.0
 
@@ -393,20 +394,20 @@ def test_policy_gathers_arrivals_at_a_running_batch_for_max_wait_ms() -> None:
     start = clock()
     first = arrive(policy, clock)
     assert policy.batching_wait(running) == pytest.approx(0.002)
-    assert policy.take(running) == Take([], [], "hold", [])
+    assert policy.take(running) == Take([], [], TakeMode.HOLD, [])
     clock.now += 0.001
     second = arrive(policy, clock)
     assert policy.batching_wait(running) == pytest.approx(0.001)  # from the first arrival
-    assert policy.take(running).mode == "hold"
+    assert policy.take(running).mode is TakeMode.HOLD
     clock.now = start + 0.002
     assert policy.batching_wait(running) == 0
-    assert policy.take(running) == Take(first + second, [], "join", [])
+    assert policy.take(running) == Take(first + second, [], TakeMode.JOIN, [])
     assert first[0].job.queue_seconds == pytest.approx(0.002)
     assert second[0].job.queue_seconds == pytest.approx(0.001)
     # arrivals that fill the free rows do not wait for the time to pass
     both = arrive(policy, clock, inputs=2) + arrive(policy, clock)
     assert policy.batching_wait(running) == 0
-    assert policy.take(running) == Take(both, [], "join", [])
+    assert policy.take(running) == Take(both, [], TakeMode.JOIN, [])
 
 
 def test_policy_waits_for_the_rows_that_just_finished_to_come_back() -> None:
@@ -422,17 +423,17 @@ def test_policy_waits_for_the_rows_that_just_finished_to_come_back() -> None:
     clock.now += 0.005
     wave = arrive(policy, clock)
     assert policy.batching_wait(IDLE) == pytest.approx(4 * 0.012)
-    assert policy.take(IDLE).mode == "hold"
+    assert policy.take(IDLE).mode is TakeMode.HOLD
     clock.now += 0.001
     wave += arrive(policy, clock)
-    assert policy.take(IDLE).mode == "hold"
+    assert policy.take(IDLE).mode is TakeMode.HOLD
     wave += arrive(policy, clock)
     assert policy.batching_wait(IDLE) == 0
-    assert policy.take(IDLE) == Take(wave, [], "join", [])
+    assert policy.take(IDLE) == Take(wave, [], TakeMode.JOIN, [])
     assert not policy.freed
     # nothing finished since: the next request starts at once
     lone = arrive(policy, clock)
-    assert policy.take(IDLE) == Take(lone, [], "join", [])
+    assert policy.take(IDLE) == Take(lone, [], TakeMode.JOIN, [])
 
 
 def test_policy_wait_for_returning_rows_ends_after_wave_wait_steps() -> None:
@@ -443,15 +444,15 @@ def test_policy_wait_for_returning_rows_ends_after_wave_wait_steps() -> None:
     policy.record_success(start, 3)
     first = arrive(policy, clock)
     clock.now = start + 0.019
-    assert policy.take(IDLE).mode == "hold"
+    assert policy.take(IDLE).mode is TakeMode.HOLD
     clock.now = start + 2 * 0.010  # 2 steps after the first arrival
-    assert policy.take(IDLE) == Take(first, [], "join", [])
+    assert policy.take(IDLE) == Take(first, [], TakeMode.JOIN, [])
     assert list(policy.freed) == [(start, 2)]  # one of the three rows came back
     # much later, the two rows that never came back are forgotten: no wait
     clock.now += 1.0
     late = arrive(policy, clock)
     assert policy.batching_wait(IDLE) == 0
-    assert policy.take(IDLE) == Take(late, [], "join", [])
+    assert policy.take(IDLE) == Take(late, [], TakeMode.JOIN, [])
     assert not policy.freed
 
 
@@ -465,13 +466,13 @@ def test_policy_encodes_ahead_while_the_idle_worker_waits() -> None:
     policy.record_success(clock(), 2)
     first = arrive(policy, clock, rows=1)
     assert policy.may_encode_ahead(IDLE)
-    assert policy.take(IDLE) == Take(first, [], "ahead", [])
+    assert policy.take(IDLE) == Take(first, [], TakeMode.AHEAD, [])
     held = Running(ahead=first)
     assert policy.reserved_rows(held) == 1
     assert policy.batching_wait(held) == pytest.approx(0.040)  # still waiting for company
     clock.now += 0.001
     second = arrive(policy, clock)
-    assert policy.take(held) == Take(second, [], "join", [])  # the worker joins first too
+    assert policy.take(held) == Take(second, [], TakeMode.JOIN, [])  # the worker joins first too
     # a held item whose request was cancelled reserves nothing
     first[0].job.cancel()
     assert policy.reserved_rows(held) == 0
@@ -479,9 +480,9 @@ def test_policy_encodes_ahead_while_the_idle_worker_waits() -> None:
     policy.record_success(clock(), 2)
     queued = arrive(policy, clock)
     assert not policy.may_encode_ahead(decoding(1))
-    assert policy.take(decoding(1)) == Take([], [], "hold", [])
+    assert policy.take(decoding(1)) == Take([], [], TakeMode.HOLD, [])
     clock.now += 0.050
-    assert policy.take(decoding(1)) == Take(queued, [], "join", [])
+    assert policy.take(decoding(1)) == Take(queued, [], TakeMode.JOIN, [])
 
 
 def test_policy_admission_is_fifo_without_overtaking() -> None:
@@ -491,10 +492,10 @@ def test_policy_admission_is_fifo_without_overtaking() -> None:
     policy = make_policy(clock, max_wait_ms=0.0, wave_wait_steps=0)
     beam = arrive(policy, clock, rows=4)
     greedy = arrive(policy, clock, rows=1)
-    assert policy.take(decoding(5)) == Take([], [], "join", [])
+    assert policy.take(decoding(5)) == Take([], [], TakeMode.JOIN, [])
     assert list(policy.translate_queue) == beam + greedy
-    assert policy.take(decoding(4)) == Take(beam, [], "join", [])  # 8 rows: full
-    assert policy.take(decoding(7)) == Take(greedy, [], "join", [])
+    assert policy.take(decoding(4)) == Take(beam, [], TakeMode.JOIN, [])  # 8 rows: full
+    assert policy.take(decoding(7)) == Take(greedy, [], TakeMode.JOIN, [])
 
 
 def test_policy_never_holds_encode_requests() -> None:
@@ -507,9 +508,9 @@ def test_policy_never_holds_encode_requests() -> None:
     translate = arrive(policy, clock)
     encode = arrive(policy, clock, inputs=10, kind="encode")
     assert policy.batching_wait(IDLE) == 0
-    assert policy.take(IDLE) == Take([], encode[:8], "hold", [])
+    assert policy.take(IDLE) == Take([], encode[:8], TakeMode.HOLD, [])
     assert policy.queued_jobs == 2
-    assert policy.take(IDLE) == Take([], encode[8:], "hold", [])
+    assert policy.take(IDLE) == Take([], encode[8:], TakeMode.HOLD, [])
     assert policy.queued_jobs == 1 and list(policy.translate_queue) == translate
 
 
@@ -522,7 +523,8 @@ def test_policy_drops_queued_items_of_requests_that_ended() -> None:
     cancelled[0].job.cancel()
     clock.now += 1.0
     taken = policy.take(decoding(8))  # no row free: only the dead leave
-    assert taken == Take([], [], "join", [(expiring[0], "deadline"), (cancelled[0], "cancelled")])
+    assert taken == Take([], [], TakeMode.JOIN,
+                         [(expiring[0], "deadline"), (cancelled[0], "cancelled")])
     assert isinstance(expiring[0].job.future.exception(0), DeadlineExceeded)
     assert list(policy.translate_queue) == kept and policy.queued_jobs == 1
 

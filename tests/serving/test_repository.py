@@ -602,10 +602,14 @@ def test_model_info_of_a_model_not_loaded_loads_nothing(tmp_path: Path,
         assert requests_total(server, "beta", rpc="GetModelInfo") == 2  # under its name
         assert (described.model, described.model_name) == ("beta", "random-test-model")
         assert described.vocab_size > 0 and not described.providers
+        assert not described.kv_cache and not described.packed_weights  # known once loaded
         client.translate(["seven"], model="beta", max_new_tokens=2)  # alpha makes room
         loaded = client.model_info(model="beta")
         assert list(loaded.providers) == ["CPUExecutionProvider"]
+        assert loaded.kv_cache == "dynamic" and loaded.packed_weights  # on CPU
         del loaded.providers[:]
+        loaded.ClearField("kv_cache")
+        loaded.ClearField("packed_weights")
         assert loaded == described
         with pytest.raises(ServerError) as raised:
             client.model_info(model="broken")

@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from server_helpers import (
     Gate,
+    ObservedBackend,
     ProcessGate,
     ServerProcess,
     ServerThread,
@@ -324,9 +325,9 @@ def test_continuous_batching_respects_row_limit(random_runtime: Any) -> None:
     from tfserve.generation import DecodingOptions
 
     seen_rows: list[int] = []
-    scheduler = stepped_scheduler(random_runtime, max_batch_size=6)
-    scheduler.test_hook = lambda stage: seen_rows.append(scheduler._batch.rows) if (
-        stage == "step") else None
+    scheduler = stepped_scheduler(ObservedBackend(
+        random_runtime, lambda stage: seen_rows.append(scheduler._batch.rows) if (
+            stage == "step") else None), max_batch_size=6)
     source = random_runtime.tokenizer.encode("seven")
     first = scheduler.submit_translate([source], DecodingOptions(max_new_tokens=30,
                                                                  min_new_tokens=30))
@@ -358,9 +359,9 @@ def test_returning_rows_join_together_while_decoding(random_runtime: Any, case: 
     source = random_runtime.tokenizer.encode("seven")
     short = DecodingOptions(max_new_tokens=3, min_new_tokens=3)
     events: list[str] = []  # model calls and arrivals, in order
-    scheduler = stepped_scheduler(random_runtime, max_batch_size=8,
+    scheduler = stepped_scheduler(ObservedBackend(random_runtime, events.append),
+                                  max_batch_size=8,
                                   wave_wait_steps=0 if case == "wave-wait-off" else 4)
-    scheduler.test_hook = events.append
     running = scheduler.submit_translate([source], DecodingOptions(max_new_tokens=60,
                                                                    min_new_tokens=60))
     scheduler.run_once()
@@ -418,11 +419,12 @@ def returning_wave(runtime: Any, encode_ahead: bool,
         elif stage == "encode" and on_encode is not None:
             on_encode()
 
-    scheduler = stepped_scheduler(runtime, max_batch_size=8, wave_wait_steps=4,
+    runs = ObservedBackend(runtime)  # observed from the end of the set-up on
+    scheduler = stepped_scheduler(runs, max_batch_size=8, wave_wait_steps=4,
                                   encode_ahead=encode_ahead)
     alone = scheduler.submit_translate([source], short)
     run_until(scheduler, lambda: alone.done)
-    scheduler.test_hook = hook
+    runs.before = hook
     first = DecodingOptions(max_new_tokens=8, min_new_tokens=8)
     jobs = [scheduler.submit_translate([source], first) for _ in range(3)]
     run_until(scheduler, lambda: all(job.done for job in jobs))
@@ -430,6 +432,11 @@ def returning_wave(runtime: Any, encode_ahead: bool,
     events.clear()
     first_step_rows.clear()
     return Wave(scheduler, source, short, alone.result(0), events, first_step_rows)
+
+
+def reserved_rows(scheduler: Any) -> int:
+    """The rows the scheduler's running batch and the live items encoded ahead may occupy."""
+    return int(scheduler.policy.reserved_rows(scheduler._running()))
 
 
 def arrive(wave: Wave) -> Any:
@@ -493,9 +500,9 @@ def test_a_request_cancelled_while_encoded_ahead_frees_its_rows(random_runtime: 
     gone = arrive(wave)
     scheduler.run_once()
     assert len(scheduler._ahead) == 1  # encoded and held, waiting for the other two
-    assert not len(scheduler._batch) and scheduler._reserved_rows() == 1
+    assert not len(scheduler._batch) and reserved_rows(scheduler) == 1
     gone.cancel()
-    assert scheduler._reserved_rows() == 0
+    assert reserved_rows(scheduler) == 0
     again = [arrive(wave) for _ in range(2)]
     run_until(scheduler, lambda: all(job.done for job in again))
     assert wave.first_step_rows == [2]
@@ -543,7 +550,7 @@ def test_encode_requests_never_wait_for_returning_rows(random_runtime: Any) -> N
     assert scheduler._batching_wait() == 0  # the worker thread would start now
     scheduler.run_once()
     assert encode.done and encode.queue_seconds == 0.0
-    assert not returning.done and len(scheduler._translate_queue) == 1
+    assert not returning.done and len(scheduler.policy.translate_queue) == 1
     clock.now += 3600.0  # the wait for the rest of the wave is over
     run_until(scheduler, lambda: returning.done)
     assert returning.queue_seconds == 3600.0

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf import message_factory
+from google.protobuf.message import Message
 
 from tfserve.frontends.messages import (
     encode_input,
@@ -63,12 +64,12 @@ class Received(NamedTuple):
     its size in bytes as received (a large one hands memory back when its call ends:
     Call.received), and why it did not parse (the call's refusal)."""
 
-    message: Any
+    message: Message
     size: int
     malformed: Malformed | None = None
 
 
-def lenient_parser(message_class: Any) -> Callable[[bytes], Received]:
+def lenient_parser(message_class: type[Message]) -> Callable[[bytes], Received]:
     """A request deserializer that gives Malformed instead of raising."""
     name = message_class.DESCRIPTOR.full_name
 
@@ -116,7 +117,7 @@ class GrpcCall(Call):
     # a large request is released by the context's done callback (above), not at finish()
     release_at_finish = False
 
-    def sized(self, message: Any) -> Any:
+    def sized(self, message: Message) -> Message:
         """The message, or ResponseTooLarge when grpc would refuse to send it."""
         self.check_size(message.ByteSize())
         return message
@@ -235,28 +236,29 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
         self.core = core
 
     @unary("Translate")
-    async def Translate(self, request: Any, call: GrpcCall) -> Any:
+    async def Translate(self, request: Message, call: GrpcCall) -> Message:
         translations = await self.core.translate(call, translate_input(request))
         return call.sized(translate_response(translations, call.request_id))
 
     @streaming("TranslateStream")
-    async def TranslateStream(self, request: Any, call: GrpcCall) -> AsyncIterator[Any]:
+    async def TranslateStream(self, request: Message, call: GrpcCall
+                              ) -> AsyncIterator[Message]:
         async with aclosing(self.core.translate_stream(call, translate_input(request))
                             ) as chunks:
             async for chunk in chunks:
                 yield call.sized(stream_response(chunk, call.request_id))
 
     @unary("Encode")
-    async def Encode(self, request: Any, call: GrpcCall) -> Any:
+    async def Encode(self, request: Message, call: GrpcCall) -> Message:
         encodings = await self.core.encode(call, encode_input(request))
         return call.sized(encode_response(encodings, call.request_id))
 
     @unary("GetModelInfo")
-    async def GetModelInfo(self, request: Any, call: GrpcCall) -> Any:
+    async def GetModelInfo(self, request: Message, call: GrpcCall) -> Message:
         return await self.core.model_info(call, request.model)
 
     @unary("ListModels")
-    async def ListModels(self, request: Any, call: GrpcCall) -> Any:
+    async def ListModels(self, request: Message, call: GrpcCall) -> Message:
         return call.sized(list_models_response(*await self.core.list_models(call)))
 
 

@@ -15,9 +15,11 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.descriptor_pb2 import FieldDescriptorProto
+from google.protobuf.message import Message
 
 from tfserve import option_table
 from tfserve.proto import load as load_stubs
+from tfserve.scheduler import Encoded
 from tfserve.serving import (
     Chunk,
     EncodeInput,
@@ -71,7 +73,7 @@ def check_options(options: Sequence[option_table.Option] | None = None,
 check_options()  # a table the wire does not carry stops the server at its start
 
 
-def option_fields(message: Any) -> OptionFields:
+def option_fields(message: Message) -> OptionFields:
     """proto DecodingOptions -> OptionFields, each declared option from the field of its
     name: a field at 0 (false), or an `optional` one left unset, is not given (None)."""
     values = {}
@@ -83,7 +85,7 @@ def option_fields(message: Any) -> OptionFields:
     return OptionFields(**values)
 
 
-def translate_input(request: Any) -> TranslateInput:
+def translate_input(request: Message) -> TranslateInput:
     """TranslateRequest -> TranslateInput."""
     return TranslateInput(model=request.model, texts=request.texts,
                           token_ids=[sequence.ids for sequence in request.token_ids],
@@ -93,7 +95,7 @@ def translate_input(request: Any) -> TranslateInput:
                           target_prefix=request.target_prefix)
 
 
-def encode_input(request: Any) -> EncodeInput:
+def encode_input(request: Message) -> EncodeInput:
     """EncodeRequest -> EncodeInput."""
     return EncodeInput(model=request.model, texts=request.texts, truncate=request.truncate,
                        pooling=request.pooling,
@@ -104,12 +106,12 @@ def encode_input(request: Any) -> EncodeInput:
 # -- responses ------------------------------------------------------------------------------
 
 
-def hypothesis(found: TextHypothesis) -> Any:
+def hypothesis(found: TextHypothesis) -> Message:
     """A Hypothesis message."""
     return pb2.Hypothesis(text=found.text, token_ids=found.token_ids, score=found.score)
 
 
-def translate_response(results: Sequence[list[TextHypothesis]], request_id: str) -> Any:
+def translate_response(results: Sequence[list[TextHypothesis]], request_id: str) -> Message:
     """A TranslateResponse: one Translation per input, its hypotheses in order."""
     return pb2.TranslateResponse(
         request_id=request_id,
@@ -117,7 +119,7 @@ def translate_response(results: Sequence[list[TextHypothesis]], request_id: str)
                       for hypotheses in results])
 
 
-def stream_response(chunk: Chunk, request_id: str) -> Any:
+def stream_response(chunk: Chunk, request_id: str) -> Message:
     """A TranslateStreamResponse for one chunk; the last of an input carries its final
     hypothesis (and every hypothesis, when there are several)."""
     if not chunk.done:
@@ -133,7 +135,7 @@ def stream_response(chunk: Chunk, request_id: str) -> Any:
     return message
 
 
-def encode_response(results: Sequence[Any], request_id: str) -> Any:
+def encode_response(results: Sequence[Encoded], request_id: str) -> Message:
     """An EncodeResponse from the scheduler's encodings (embedding, token ids, and the
     per-token hidden states when asked for)."""
     embeddings = []
@@ -148,7 +150,7 @@ def encode_response(results: Sequence[Any], request_id: str) -> Any:
     return pb2.EncodeResponse(embeddings=embeddings, request_id=request_id)
 
 
-def list_models_response(statuses: Sequence[ModelStatus], default_model: str) -> Any:
+def list_models_response(statuses: Sequence[ModelStatus], default_model: str) -> Message:
     """A ListModelsResponse: every model of the repository with its state."""
     return pb2.ListModelsResponse(default_model=default_model, models=[pb2.ModelStatus(
         name=status.name, state=pb2.ModelState.Value(f"MODEL_STATE_{status.state.upper()}"),
@@ -162,7 +164,7 @@ def list_models_response(statuses: Sequence[ModelStatus], default_model: str) ->
 # -- the JSON mapping -----------------------------------------------------------------------
 
 
-def from_json(body: bytes, message_class: Any) -> Any:
+def from_json(body: bytes, message_class: type[Message]) -> Message:
     """A request message from its JSON mapping (lowerCamelCase or proto field names), or
     InvalidArgument saying what is wrong: not JSON, not an object, a key given twice, a
     field name that is not text, an unknown field, a value of the wrong type (the message
@@ -212,7 +214,7 @@ def _json_type(value: Any) -> str:
 _FLOATS = (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT)
 
 
-def _check_shape(document: dict[str, Any], descriptor: Any, path: str) -> None:
+def _check_shape(document: dict[str, Any], descriptor: Descriptor, path: str) -> None:
     """What json_format lets through or fails on without naming the field: a field name that
     is not text (an unpaired surrogate escape: json_format raises SystemError on it), one
     field under both of its names, a message field given something other than an object
@@ -261,13 +263,13 @@ def _unpaired_surrogate(text: str) -> bool:
     return False
 
 
-def to_dict(message: Any) -> dict[str, Any]:
+def to_dict(message: Message) -> dict[str, Any]:
     """A message as its JSON mapping: lowerCamelCase names, int64 as strings, fields at
     their default left out."""
     return json_format.MessageToDict(message)
 
 
-def to_json(message: Any) -> bytes:
+def to_json(message: Message) -> bytes:
     """A message as compact JSON (UTF-8)."""
     return json.dumps(to_dict(message), ensure_ascii=False,
                       separators=(",", ":")).encode("utf-8")

@@ -42,7 +42,7 @@ from tfserve.scheduler.jobs import (
     Unavailable,
     WorkItem,
 )
-from tfserve.scheduler.policy import BatchingPolicy, Running, Take
+from tfserve.scheduler.policy import BatchingPolicy, Running, Take, TakeMode
 from tfserve.scheduler.scheduler import Scheduler
 from tfserve.scheduler.scheduler_config import SchedulerConfig
 
@@ -62,6 +62,7 @@ __all__ = [
     "SchedulerStats",
     "StreamEvent",
     "Take",
+    "TakeMode",
     "Unavailable",
     "WorkItem",
 ]

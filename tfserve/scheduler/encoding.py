@@ -4,7 +4,7 @@ that an input the model cannot take fails its own request and not the others of 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -16,19 +16,13 @@ from tfserve.text.inputs import encoder_hidden_states, length_groups, pool
 
 
 class EncoderRuns:
-    """Encoder runs over work items, for the worker thread only.
+    """Encoder runs over work items, for the worker thread only. Runs and failures are
+    counted and reported through `outcomes`."""
 
-    `before_run(stage)` is called before every model run, with stage "encode" (translate
-    items) or "embed" (Encode requests): the scheduler's test hook, which may raise to
-    simulate a failed run. Runs and failures are counted and reported through `outcomes`.
-    """
-
-    def __init__(self, backend: Backend, config: SchedulerConfig, outcomes: Outcomes,
-                 before_run: Callable[[str], None]) -> None:
+    def __init__(self, backend: Backend, config: SchedulerConfig, outcomes: Outcomes) -> None:
         self.backend = backend
         self.config = config
         self.outcomes = outcomes
-        self.before_run = before_run
 
     def translate(self, items: list[WorkItem]) -> list[Joining]:
         """Encode translate items: what joins the decoder batch, one group per batch run
@@ -70,7 +64,6 @@ class EncoderRuns:
         backend = self.backend
         input_ids, attention_mask = self._pad(chunk)
         try:
-            self.before_run("encode")
             _, cross = backend.encode(input_ids, attention_mask)
         except Exception as exc:
             if len(chunk) > 1:
@@ -90,7 +83,6 @@ class EncoderRuns:
         """One encoder run for Encode requests; when it fails, each input is tried alone."""
         input_ids, attention_mask = self._pad(chunk)
         try:
-            self.before_run("embed")
             hidden = encoder_hidden_states(self.backend, input_ids, attention_mask)
         except Exception as exc:
             if len(chunk) > 1:

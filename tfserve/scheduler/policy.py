@@ -14,6 +14,7 @@ running batch must never grow past max_batch_size.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,15 +36,21 @@ class Running:
     ahead: Sequence[WorkItem] = ()
 
 
+class TakeMode(enum.Enum):
+    """What becomes of the translate items one pass takes (`Take.mode`)."""
+
+    JOIN = "join"  # they join the decoder batch now, with any encoded ahead
+    # while the wait for company goes on: encode them and hold them ...
+    AHEAD = "ahead"
+    HOLD = "hold"  # ... or none is taken, and those encoded ahead keep waiting too
+
+
 class Take(NamedTuple):
     """What one pass of the worker takes from the queues (`BatchingPolicy.take`)."""
 
     translate: list[WorkItem]
     encode: list[WorkItem]
-    # what becomes of the translate items: "join" the decoder batch now (with any encoded
-    # ahead), or, while the wait for company goes on, "ahead" (encode them and hold them) or
-    # "hold" (none taken; those encoded ahead keep waiting too)
-    mode: str
+    mode: TakeMode
     # queued items of requests that ended before the model took them up, and why: they
     # leave the queue without decoding
     dropped: list[tuple[WorkItem, str]]
@@ -173,7 +180,7 @@ class BatchingPolicy:
         """Drop the queued items of requests that ended, and take what fits into the worker's
         next pass (see `Take`)."""
         if not (self.translate_queue or self.encode_queue or running.ahead):
-            return Take([], [], "join", [])  # mid-decoding with nothing queued: most passes
+            return Take([], [], TakeMode.JOIN, [])  # mid-decoding, nothing queued: most passes
         now = self.clock()
         dropped = []
         for queue in (self.translate_queue, self.encode_queue):
@@ -205,7 +212,8 @@ class BatchingPolicy:
         self._use_freed(sum(item.max_rows for item in translate_items))
         for item in encode_items + translate_items:
             self._admitted(item, now)
-        mode = "join" if not gathering else "ahead" if translate_items else "hold"
+        mode = (TakeMode.JOIN if not gathering else TakeMode.AHEAD if translate_items
+                else TakeMode.HOLD)
         return Take(translate_items, encode_items, mode, dropped)
 
     def _live_ahead(self, running: Running) -> list[WorkItem]:

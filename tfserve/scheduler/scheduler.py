@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,7 +27,7 @@ from tfserve.scheduler.jobs import (
     Unavailable,
     WorkItem,
 )
-from tfserve.scheduler.policy import BatchingPolicy, Running
+from tfserve.scheduler.policy import BatchingPolicy, Running, TakeMode
 from tfserve.scheduler.scheduler_config import SchedulerConfig
 from tfserve.telemetry.metrics import Metrics
 from tfserve.text.inputs import POOLINGS
@@ -39,10 +38,9 @@ log = logging.getLogger("tfserve.scheduler")
 class Scheduler:
     """Queue + worker thread over one Backend. Thread-safe `submit_*`; `start` / `stop`.
 
-    `test_hook(stage)`, when set, is called on the worker before every model run with stage
-    "encode", "embed" or "step"; raising from it simulates a failed run, blocking in it holds
-    the model (tests). `clock` is time.monotonic, or a test's clock: deadlines, waits and
-    queue times are read from it.
+    `clock` is time.monotonic, or a test's clock: deadlines, waits and queue times are read
+    from it. Without the thread, `run_once` drives the worker pass by pass (tests, with a
+    fake backend that fails or holds where they choose).
     """
 
     def __init__(self, backend: Backend, config: SchedulerConfig | None = None,
@@ -53,7 +51,6 @@ class Scheduler:
         self.config = (config or SchedulerConfig()).validate()
         self.metrics = metrics or Metrics()
         self.stats = SchedulerStats()
-        self.test_hook: Callable[[str], None] | None = None
         self.max_new_tokens_limit = backend.max_target_positions - 1
         # the queues and what is taken from them; guarded by _cond, as the flags below it
         self.policy = BatchingPolicy(self.config, self._now, self.metrics)
@@ -65,9 +62,9 @@ class Scheduler:
         self._batch = DecodeBatch(backend)
         self._outcomes = Outcomes(self.stats, self.metrics, self._now,
                                   self.policy.record_success)
-        self._encoder = EncoderRuns(backend, self.config, self._outcomes, self._model_call)
+        self._encoder = EncoderRuns(backend, self.config, self._outcomes)
         # translate items taken and encoded while the idle worker waits for company, not yet
-        # joined (Take.mode "ahead")
+        # joined (TakeMode.AHEAD)
         self._ahead: list[Joining] = []
         # the requests that joined the batch since its last step: the next step decides
         # their first tokens (JobTimes.first_token)
@@ -112,16 +109,6 @@ class Scheduler:
         """Nothing queued and nothing decoding."""
         with self._cond:
             return not (self.policy.queued or len(self._batch) or self._ahead)
-
-    @property
-    def _translate_queue(self) -> deque[WorkItem]:
-        """The policy's queue of translate items (tests wait on its length)."""
-        return self.policy.translate_queue
-
-    @property
-    def _encode_queue(self) -> deque[WorkItem]:
-        """The policy's queue of encode items."""
-        return self.policy.encode_queue
 
     # -- submitting -------------------------------------------------------------------------
 
@@ -265,10 +252,6 @@ class Scheduler:
         """Whether the idle worker encodes the queue's head now instead of waiting."""
         return self.policy.may_encode_ahead(self._running())
 
-    def _reserved_rows(self) -> int:
-        """Rows the running batch and the live items encoded ahead may occupy."""
-        return self.policy.reserved_rows(self._running())
-
     def _ahead_items(self) -> list[WorkItem]:
         """The translate items encoded ahead, waiting to join (whether their requests go on
         or not)."""
@@ -277,13 +260,13 @@ class Scheduler:
     # -- one pass ---------------------------------------------------------------------------
 
     def _iteration(self, translate_items: list[WorkItem], encode_items: list[WorkItem],
-                   mode: str = "join") -> None:
+                   mode: TakeMode = TakeMode.JOIN) -> None:
         if encode_items:
             self._run_encode(encode_items)
-        if mode == "ahead":
+        if mode is TakeMode.AHEAD:
             self._ahead += self._encode_items(translate_items)
             return
-        joining = bool(translate_items) or bool(self._ahead and mode == "join")
+        joining = bool(translate_items) or bool(self._ahead and mode is TakeMode.JOIN)
         if joining:
             self._admit(translate_items)
         if joining or encode_items:
@@ -292,11 +275,6 @@ class Scheduler:
             self._drop_finished_rows()
         if len(self._batch):
             self._step()
-
-    def _model_call(self, stage: str) -> None:
-        """Before every model run: the test hook, read at each call (tests set it late)."""
-        if self.test_hook is not None:
-            self.test_hook(stage)
 
     def _live(self, items: list[WorkItem]) -> list[WorkItem]:
         """The items whose requests go on (those of ended ones are skipped)."""
@@ -376,7 +354,6 @@ class Scheduler:
         rows = batch.rows - batch.retired_rows  # the running searches' rows
         started = time.perf_counter()
         try:
-            self._model_call("step")
             finished = batch.step()
         except Exception as exc:
             if isinstance(exc, BatchRunError) and self._isolate_failed_run(members):

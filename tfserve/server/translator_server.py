@@ -1,11 +1,13 @@
 """One server process: a ServingCore and its front ends (FRONT_ENDS: HTTP unless --http-port
-is 0, then gRPC; tfserve.frontends), on one event loop.
+is 0, then gRPC; tfserve.frontends), on one event loop. `run_server` builds it (tracing set up
+first, then the models loaded) and serves until SIGTERM / SIGINT; `serve` is the same on a
+running event loop.
 
 Start: the metrics port, then each front end binds (a busy port fails here, naming its flag,
 before anything runs that would need stopping), then the models' workers, then the front ends
 serve.
 
-Drain (SIGTERM / SIGINT, tfserve.server.main.serve): new calls of every front end
+Drain (SIGTERM / SIGINT, `serve`): new calls of every front end
 UNAVAILABLE (503 over HTTP), gRPC health NOT_SERVING and HTTP /readyz 503, calls in flight
 finish within --grace-seconds, then the front ends (in the reverse order) and the models'
 workers stop.
@@ -16,13 +18,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+import signal
+from collections.abc import Callable
 
+from tfserve.argparsing import EXIT_USAGE
 from tfserve.frontends import FrontEnd, FrontEndFactory, Shared
 from tfserve.frontends.grpc_server import grpc_front_end
 from tfserve.frontends.http_server import http_front_end
-from tfserve.serving import ServingCore
+from tfserve.serving import ServedModel, ServingCore
 from tfserve.serving.auth import BearerAuth
+from tfserve.serving.process_tuning import event_loop_runner, keep_freed_memory
 from tfserve.serving.settings import ServerConfig
 from tfserve.telemetry.metrics import Metrics
 
@@ -79,7 +84,7 @@ class TranslatorServer:
     (--load eager) before any event loop runs.
     """
 
-    def __init__(self, config: ServerConfig, runtime: Any | None = None,
+    def __init__(self, config: ServerConfig, runtime: ServedModel | None = None,
                  metrics: Metrics | None = None, worker: int | None = None,
                  front_ends: tuple[FrontEndFactory, ...] = FRONT_ENDS) -> None:
         self.core = ServingCore(config, runtime, metrics)
@@ -162,3 +167,46 @@ class TranslatorServer:
         for front_end in reversed(self.front_ends):
             await front_end.stop(0)
         self.core.stop_now()
+
+
+async def serve(config: ServerConfig, runtime: ServedModel | None = None,
+                worker: int | None = None, on_serving: Callable[[], None] | None = None,
+                server: TranslatorServer | None = None) -> int:
+    """Run until SIGTERM / SIGINT, then drain; returns the exit code. on_serving is called
+    once the server listens (a worker tells its parent that it started); `server`: one
+    already built (else it is built here, with `runtime` as its model when given)."""
+    if server is None:
+        server = TranslatorServer(config, runtime, worker=worker)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before start: a signal then still drains
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    if on_serving is not None:
+        on_serving()
+    await stop.wait()
+    drain = asyncio.ensure_future(server.drain())
+    # a second signal during the drain stops at once
+    stop.clear()
+    forced = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
+    if not drain.done():
+        log.warning("second signal: stopping without waiting for requests in flight")
+        drain.cancel()
+        await server.stop_now()
+    forced.cancel()
+    return 0
+
+
+def run_server(config: ServerConfig, worker: int | None = None,
+               on_serving: Callable[[], None] | None = None) -> int:
+    """Load the models and serve in this process until stopped; returns the exit code."""
+    keep_freed_memory()
+    try:
+        run = event_loop_runner(config.event_loop)
+        # before any event loop runs: tracing checked, then the models loaded (--load eager)
+        server = TranslatorServer(config, worker=worker)
+        return run(serve(config, worker=worker, on_serving=on_serving, server=server))
+    except (ValueError, RuntimeError, OSError) as exc:
+        log.error("cannot serve: %s", exc)
+        return EXIT_USAGE

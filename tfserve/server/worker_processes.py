@@ -112,7 +112,7 @@ def _worker(config: ServerConfig, index: int, serving: Any) -> None:
         ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # not glibc: an orphaned worker is stopped by hand
         pass
-    from tfserve.server.main import run_server
+    from tfserve.server.translator_server import run_server
     from tfserve.telemetry.logs import setup_logging
 
     setup_logging(config.log_format, config.log_level)

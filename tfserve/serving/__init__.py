@@ -1,20 +1,28 @@
 """The serving core: what a front end needs to serve the models, with no transport in it.
 
-    status      Status, the serving errors, status_for (exception -> status, in one place)
-    requests    plain requests (TranslateInput, EncodeInput, OptionFields); their checks,
-                tokenization and submission to the scheduler (Submitter); check_request_id
-    results     what a translation answers: each hypothesis with its text (TextHypothesis)
-    calls       per-call bookkeeping: in-flight count, request id, deadline, metrics by
-                (rpc, status), one access-log record (Calls, Call)
-    stream      streamed translation: tokens -> text deltas (TextDelta, TokenStream, Chunk)
-    model_info  the model and the server's limits (the tfserve.v1 ModelInfo message)
-    model_scan  a model repository directory: one Entry per model (name, version, memory)
-    loaded      LoadedModel: one loaded version of a model, with its own scheduler and
-                submitter; how an entry is loaded, how its memory goes back
-    repository  ModelRepository: the models served; choosing, loading, unloading (LRU),
-                rescanning, swapping versions
-    core        ServingCore: config, models, metrics, calls; one method per RPC (translate,
-                translate_stream, encode, model_info, list_models); start and drain
+    status        Status, the serving errors, status_for (exception -> status, in one
+                  place)
+    served_model  what the core needs of a model it serves (ServedModel: a Backend with
+                  its tokenizer, config and manifest; tfserve.runtime.Runtime is one)
+    requests      plain requests (TranslateInput, EncodeInput, OptionFields); their checks,
+                  tokenization and submission to the scheduler (Submitter)
+    results       what a translation answers: each hypothesis with its text
+                  (TextHypothesis)
+    calls         per-call bookkeeping: in-flight count, request id, deadline, metrics by
+                  (rpc, status), one access-log record (Calls, Call)
+    stream        streamed translation: tokens -> text deltas (TextDelta, TokenStream,
+                  Chunk)
+    model_info    the model and the server's limits (the tfserve.v1 ModelInfo message)
+    model_scan    a model repository directory: one Entry per model (name, version, memory)
+    loaded        LoadedModel: one loaded version of a model, with its own scheduler and
+                  submitter; how an entry is loaded, how its memory goes back
+    model_slot    ModelSlot: a model's place in the repository, its state and health;
+                  ModelStatus, as ListModels shows it
+    repository    ModelRepository: the models served; choosing, loading, unloading (LRU),
+                  rescanning, swapping versions
+    core          ServingCore: config, models, metrics, calls; one method per RPC
+                  (translate, translate_stream, encode, model_info, list_models); start
+                  and drain
 
 The front ends (tfserve.frontends: gRPC, HTTP/JSON) build on it and only convert their wire
 format; tfserve.server runs them around one core. Nothing here uses grpc or aiohttp, so each
@@ -25,7 +33,8 @@ from tfserve.serving.calls import REQUEST_ID_KEY, Call, Calls
 from tfserve.serving.core import ServingCore, load_runtime
 from tfserve.serving.loaded import LoadedModel
 from tfserve.serving.model_info import Limits, ModelInfo, ParitySummary
-from tfserve.serving.repository import ModelRepository, ModelStatus
+from tfserve.serving.model_slot import ModelStatus
+from tfserve.serving.repository import ModelRepository
 from tfserve.serving.requests import (
     EncodeInput,
     OptionFields,
@@ -35,6 +44,7 @@ from tfserve.serving.requests import (
     shown,
 )
 from tfserve.serving.results import TextHypothesis
+from tfserve.serving.served_model import ServedModel
 from tfserve.serving.status import (
     Draining,
     InvalidArgument,
@@ -66,6 +76,7 @@ __all__ = [
     "OptionFields",
     "ParitySummary",
     "ResponseTooLarge",
+    "ServedModel",
     "ServingCore",
     "Status",
     "Submitter",

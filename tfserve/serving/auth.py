@@ -16,10 +16,10 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from tfserve.serving.requests import check_request_id
 from tfserve.serving.status import InvalidArgument, Status
+from tfserve.telemetry.metrics import Metrics
 
 log = logging.getLogger("tfserve.server")
 access_log = logging.getLogger("tfserve.access")
@@ -36,7 +36,7 @@ class BearerAuth:
     the next warning may be written (a test injects its own clock).
     """
 
-    def __init__(self, token: str, metrics: Any, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, token: str, metrics: Metrics, clock: Callable[[], float] = time.monotonic,
                  interval: float = WARNING_INTERVAL) -> None:
         self.expected = f"Bearer {token}".encode()
         self.metrics = metrics

@@ -32,16 +32,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 from tfserve.scheduler import Encoded
 from tfserve.serving.calls import Call, Calls
 from tfserve.serving.loaded import LoadedModel
 from tfserve.serving.model_info import ModelInfo, model_info, unloaded_model_info
 from tfserve.serving.model_scan import Entry
-from tfserve.serving.repository import ModelRepository, ModelStatus
+from tfserve.serving.model_slot import ModelStatus
+from tfserve.serving.repository import ModelRepository
 from tfserve.serving.requests import EncodeInput, TranslateInput
 from tfserve.serving.results import TextHypothesis, with_texts
+from tfserve.serving.served_model import ServedModel
 from tfserve.serving.settings import ServerConfig
 from tfserve.serving.status import ModelLoadFailed
 from tfserve.serving.stream import Chunk, TokenStream
@@ -51,7 +52,7 @@ from tfserve.telemetry.metrics import Metrics
 log = logging.getLogger("tfserve.server")
 
 
-def load_runtime(config: ServerConfig) -> Any:
+def load_runtime(config: ServerConfig) -> ServedModel:
     """The Runtime for --model (the bundled demo when none is given), --device, --threads."""
     from tfserve.runtime import Runtime
 
@@ -67,13 +68,13 @@ def load_runtime(config: ServerConfig) -> Any:
 class ServingCore:
     """Models + metrics + calls, for any front end.
 
-    `runtime` is any object with Runtime's interface (Backend + .tokenizer, .config,
-    .manifest), served as the one model; None loads what `config` names (--model, the bundled
-    demo, or --model-repository). Tracing is set up first, before any model loads, so that a
+    `runtime` is a model built by the caller (a ServedModel, as tfserve.runtime.Runtime),
+    served as the one model; None loads what `config` names (--model, the bundled demo, or
+    --model-repository). Tracing is set up first, before any model loads, so that a
     missing OpenTelemetry fails the start at once.
     """
 
-    def __init__(self, config: ServerConfig, runtime: Any | None = None,
+    def __init__(self, config: ServerConfig, runtime: ServedModel | None = None,
                  metrics: Metrics | None = None) -> None:
         self.config = config.validate()
         tracing = start_tracing(config.otel_endpoint)

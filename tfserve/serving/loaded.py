@@ -11,15 +11,15 @@ import gc
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from tfserve.scheduler import Scheduler
 from tfserve.serving.model_scan import Entry, single_entry
 from tfserve.serving.requests import Submitter
+from tfserve.serving.served_model import ServedModel
 from tfserve.serving.settings import ServerConfig
 from tfserve.telemetry.metrics import Metrics
 
-Loader = Callable[[Entry], Any]  # an entry -> its runtime (Backend + tokenizer, config, ...)
+Loader = Callable[[Entry], ServedModel]  # an entry -> its loaded model
 
 
 class RuntimeLoader:
@@ -33,7 +33,7 @@ class RuntimeLoader:
         cannot be read. The repository asks before making room for a load."""
         return entry.manifest_error
 
-    def __call__(self, entry: Entry) -> Any:
+    def __call__(self, entry: Entry) -> ServedModel:
         if entry.manifest_error:
             raise ValueError(entry.manifest_error)
         from tfserve.runtime import Runtime
@@ -56,7 +56,7 @@ class LoadedModel:
     version, "removed" from the repository); it unloads once `in_flight` is 0.
     """
 
-    def __init__(self, entry: Entry, runtime: Any, config: ServerConfig,
+    def __init__(self, entry: Entry, runtime: ServedModel, config: ServerConfig,
                  metrics: Metrics) -> None:
         limit = runtime.max_target_positions - 1
         # an encoder-only model generates nothing: the server's decoding default is not its
@@ -85,7 +85,7 @@ class LoadedModel:
         return f"LoadedModel({self.name!r}, version={self.version!r})"
 
 
-def runtime_entry(runtime: Any, path: Path | None) -> Entry:
+def runtime_entry(runtime: ServedModel, path: Path | None) -> Entry:
     """The entry of a runtime built by the caller: named after `path` (--model) or the
     runtime's directory, versioned from its files when they can be read."""
     where = path if path is not None else getattr(runtime, "directory", None)

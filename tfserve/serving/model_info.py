@@ -15,6 +15,7 @@ from tfserve.artifacts.manifest import Manifest
 from tfserve.generation import DecodingOptions
 from tfserve.proto import load as load_stubs
 from tfserve.serving.requests import server_defaults
+from tfserve.serving.served_model import ServedModel
 from tfserve.serving.settings import ServerConfig
 from tfserve.text.tokenizer import Tokenizer
 from tfserve.text.translation_inputs import model_languages
@@ -25,7 +26,7 @@ pb2 = load_stubs()[0]
 ModelInfo, Limits, ParitySummary = pb2.ModelInfo, pb2.Limits, pb2.ParitySummary
 
 
-def model_info(runtime: Any, config: ServerConfig, max_new_tokens_limit: int,
+def model_info(runtime: ServedModel, config: ServerConfig, max_new_tokens_limit: int,
                name: str = "", version: str = "") -> Any:
     """The ModelInfo message of `runtime` served with `config` (max_new_tokens_limit: the
     scheduler's) as the model `name` of the repository, at `version`."""
@@ -104,7 +105,7 @@ def describe_model(manifest: Manifest, tokenizer: Tokenizer, describe: dict[str,
     )
 
 
-def default_source_language(tokenizer: Any, model_source_language: str) -> str:
+def default_source_language(tokenizer: Tokenizer, model_source_language: str) -> str:
     """The source language a request without one gets: a multilingual model's default
     (its checkpoint tokenizer's, "" when requests must name one), else the model's own."""
     conventions = tokenizer.languages
@@ -112,7 +113,7 @@ def default_source_language(tokenizer: Any, model_source_language: str) -> str:
 
 
 def generation_defaults(recorded: GenerationDefaults, applied: dict[str, Any],
-                        tokenizer: Any) -> Any:
+                        tokenizer: Tokenizer) -> Any:
     """The GenerationDefaults message: the DecodingOptions fields the model's defaults give
     a request without target prefix (`applied`), its forced first token, what model.json
     records and what of it is not applied."""

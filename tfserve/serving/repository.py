@@ -1,7 +1,8 @@
 """The models one server serves, loaded and unloaded while it serves: `ModelRepository`.
 
 A repository is `serve --model-repository DIR` (tfserve.serving.model_scan finds its models),
-or `serve --model DIR` as a repository of one. Each model has a `ModelSlot`, and each loaded
+or `serve --model DIR` as a repository of one. Each model has a `ModelSlot`
+(tfserve.serving.model_slot), and each loaded
 version of a model is a `LoadedModel`: its runtime, its own scheduler (one worker thread, one
 continuous batch) and the submitter that checks requests against it.
 
@@ -37,7 +38,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,69 +49,16 @@ from tfserve.serving.loaded import (
     runtime_loader,
 )
 from tfserve.serving.model_scan import Entry, relative_paths, scan, single_entry
+from tfserve.serving.model_slot import HealthListener, ModelSlot, ModelStatus
 from tfserve.serving.requests import InvalidArgument, shown
+from tfserve.serving.served_model import ServedModel
 from tfserve.serving.settings import ServerConfig
 from tfserve.serving.status import ModelCapacity, ModelLoadFailed, ModelNotFound
 from tfserve.telemetry.metrics import Metrics
 
 log = logging.getLogger("tfserve.server")
 
-HealthListener = Callable[[str, str], None]  # (model, SERVING | NOT_SERVING | SERVICE_UNKNOWN)
 MAX_NAMES_SHOWN = 20  # models named in a NOT_FOUND message
-
-
-class ModelSlot:
-    """A model's place in the repository: the entry last seen on disk, the version serving,
-    the load in progress, and why the last load failed."""
-
-    def __init__(self, entry: Entry) -> None:
-        self.entry = entry
-        self.model: LoadedModel | None = None
-        self.loading: asyncio.Task[LoadedModel] | None = None
-        self.loading_entry: Entry | None = None  # what `loading` loads (counted in the limits)
-        self.waiting = 0  # requests waiting for `loading`: the slot must not be unloaded
-        self.error = ""  # why the last load failed ("" after a load that succeeded)
-        self.failed_version = ""  # the version that failed: not retried until it changes
-        self.removed = False
-
-    @property
-    def name(self) -> str:
-        return self.entry.name
-
-    @property
-    def state(self) -> str:
-        """unloaded, loading, loaded or failed (a load in progress of a new version beside
-        a loaded one shows as loaded)."""
-        if self.model is not None:
-            return "loaded"
-        if self.loading is not None:
-            return "loading"
-        return "failed" if self.error else "unloaded"
-
-    @property
-    def health(self) -> str:
-        """SERVING while the model answers or can be loaded, NOT_SERVING when its last load
-        failed, SERVICE_UNKNOWN once it is removed."""
-        if self.removed:
-            return "SERVICE_UNKNOWN"
-        return "NOT_SERVING" if self.state == "failed" else "SERVING"
-
-
-@dataclass(frozen=True)
-class ModelStatus:
-    """One model as ListModels shows it."""
-
-    name: str
-    state: str
-    version: str
-    loaded_version: str
-    model_name: str
-    source_language: str
-    target_language: str
-    memory_bytes: int
-    in_flight: int
-    last_error: str
-    is_default: bool
 
 
 class ModelRepository:
@@ -126,7 +73,7 @@ class ModelRepository:
 
     def __init__(self, config: ServerConfig, metrics: Metrics, entries: dict[str, Entry],
                  loader: Loader, directory: Path | None = None,
-                 preloaded: dict[str, Any] | None = None, strict: bool = False,
+                 preloaded: dict[str, ServedModel] | None = None, strict: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.metrics = metrics
@@ -152,7 +99,7 @@ class ModelRepository:
 
     @classmethod
     def from_config(cls, config: ServerConfig, metrics: Metrics,
-                    runtime: Any | None = None) -> ModelRepository:
+                    runtime: ServedModel | None = None) -> ModelRepository:
         """--model-repository, --model, or the bundled demo; `runtime`: the one model, built
         by the caller (then --model only names it)."""
         loader = runtime_loader(config)
@@ -617,17 +564,9 @@ class ModelRepository:
     def statuses(self) -> list[ModelStatus]:
         """Every model, by name, as ListModels shows it."""
         default = self.default_name
-        out = []
-        for slot in self.slots.values():
-            entry, model = slot.entry, slot.model
-            out.append(ModelStatus(
-                name=slot.name, state=slot.state, version=entry.version,
-                loaded_version=model.version if model is not None else "",
-                model_name=entry.model_name, source_language=entry.source_language,
-                target_language=entry.target_language, memory_bytes=entry.memory_bytes,
-                in_flight=sum(m.in_flight for m in self.resident if m.name == slot.name),
-                last_error=slot.error, is_default=slot.name == default))
-        return out
+        return [slot.status(
+            in_flight=sum(m.in_flight for m in self.resident if m.name == slot.name),
+            is_default=slot.name == default) for slot in self.slots.values()]
 
 
 def _refused(entry: Entry, exc: ModelCapacity) -> ModelCapacity:

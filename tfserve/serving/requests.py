@@ -14,19 +14,18 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, make_dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tfserve import option_table
 from tfserve.artifacts.generation_defaults import GenerationDefaults
 from tfserve.generation import DecodingOptions
 from tfserve.scheduler import Job, Scheduler, StreamEvent
+from tfserve.serving.served_model import ServedModel
 from tfserve.serving.settings import ServerConfig
 from tfserve.serving.status import InvalidArgument
 from tfserve.text.inputs import POOLINGS, check_texts
-from tfserve.text.translation_inputs import request_options, source_ids
-
-if TYPE_CHECKING:
-    from tfserve.serving.calls import Call
+from tfserve.text.languages import LanguageError
+from tfserve.text.translation_inputs import PrefixError, request_options, source_ids
 
 MAX_REQUEST_ID_CHARS = 128  # echoed in metadata and logs: short, printable ASCII only
 # the characters of a request id, as a regular expression (checks and the OpenAPI document)
@@ -114,6 +113,14 @@ class EncodeInput:
     source_language: str = ""
 
 
+class Counted(Protocol):
+    """What the submitter reads and writes of a call (tfserve.serving.calls.Call): its
+    deadline, and how many inputs it holds (its access-log record's `texts`)."""
+
+    deadline: float | None
+    texts: int
+
+
 ENCODER_ONLY = ("model: this model is an encoder-only model (decoder_layers 0, a T5 encoder): "
                 "it answers Encode, not Translate")
 
@@ -129,7 +136,8 @@ class Submitter:
     under the server's --default-max-new-tokens) for every option the request leaves unset.
     """
 
-    def __init__(self, runtime: Any, config: ServerConfig, scheduler: Scheduler) -> None:
+    def __init__(self, runtime: ServedModel, config: ServerConfig, scheduler: Scheduler
+                 ) -> None:
         self.tokenizer = runtime.tokenizer
         self.config = config
         self.scheduler = scheduler
@@ -142,7 +150,7 @@ class Submitter:
                                                    config.default_max_new_tokens)
         self.encoder_only = bool(runtime.config.encoder_only)
 
-    async def sources(self, request: TranslateInput, call: Call) -> list[list[int]]:
+    async def sources(self, request: TranslateInput, call: Counted) -> list[list[int]]:
         """Token ids per input from texts or token_ids, with the shared checks."""
         if len(request.texts) and len(request.token_ids):
             raise InvalidArgument("texts and token_ids are mutually exclusive: give one")
@@ -221,7 +229,7 @@ class Submitter:
                 raise request_error(exc, field_name) from exc
         return [built[prefix] for _, prefix in prefixes]
 
-    async def submit_translate(self, request: TranslateInput, call: Call,
+    async def submit_translate(self, request: TranslateInput, call: Counted,
                                on_event: Callable[[StreamEvent], None] | None = None) -> Job:
         """Check, tokenize and queue a translate request; on_event streams its tokens."""
         if self.encoder_only:
@@ -232,7 +240,7 @@ class Submitter:
             return self.scheduler.submit_translate(sources, options, deadline=call.deadline,
                                                    on_event=on_event)
 
-    async def submit_encode(self, request: EncodeInput, call: Call) -> Job:
+    async def submit_encode(self, request: EncodeInput, call: Counted) -> Job:
         """Check, tokenize and queue an encode request."""
         call.texts = len(request.texts)
         pooling = request.pooling or "mean"
@@ -270,12 +278,11 @@ def target_prefixes(given: Sequence[str], count: int) -> list[tuple[str, str]]:
 
 
 def request_error(exc: ValueError, prefix_field: str) -> InvalidArgument:
-    """translation_inputs' error as the request's field: a language error names its own
-    field, a target prefix error the prefix's place in the request, anything else is an
-    option (`options.<field>`)."""
-    message = str(exc)
-    if message.startswith(("target_language", "source_language")):
-        return InvalidArgument(message)
-    if message.startswith("target_prefix"):
-        return InvalidArgument(prefix_field + message[len("target_prefix"):])
-    return InvalidArgument(f"options.{message}")
+    """translation_inputs' error as the request's field: a language error (LanguageError)
+    names its own field, a target prefix error (PrefixError) the prefix's place in the
+    request, anything else is an option's (`options.<field>`)."""
+    if isinstance(exc, LanguageError):
+        return InvalidArgument(str(exc))
+    if isinstance(exc, PrefixError):
+        return InvalidArgument(f"{prefix_field} {exc.problem}")
+    return InvalidArgument(f"options.{exc}")

@@ -41,6 +41,15 @@ from tfserve.text.tokenizer import Tokenizer
 MAX_PREFIX_CHARS = 4096  # a target prefix longer than this cannot fit any model's target
 
 
+class PrefixError(ValueError):
+    """A target prefix the model cannot take; `problem` is what is wrong with it, which the
+    message gives after the field's name (a server names the prefix's place instead)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"target_prefix {problem}")
+        self.problem = problem
+
+
 def model_languages(tokenizer: Tokenizer) -> list[str]:
     """The language codes a model takes in source_language / target_language (ModelInfo's
     list); empty for a model without language codes."""
@@ -127,15 +136,15 @@ def prefix_ids(tokenizer: Tokenizer, target_prefix: str | None) -> list[int]:
     if not target_prefix:
         return []
     if not isinstance(target_prefix, str):
-        raise ValueError(f"target_prefix must be a string, got {type(target_prefix).__name__}")
+        raise PrefixError(f"must be a string, got {type(target_prefix).__name__}")
     if len(target_prefix) > MAX_PREFIX_CHARS:
-        raise ValueError(f"target_prefix is {len(target_prefix)} characters, over the limit "
-                         f"of {MAX_PREFIX_CHARS}")
+        raise PrefixError(f"is {len(target_prefix)} characters, over the limit of "
+                          f"{MAX_PREFIX_CHARS}")
     ids = tokenizer.encode_text(target_prefix)
     for token, name in ((tokenizer.eos_id, "end-of-sequence"), (tokenizer.pad_id, "padding")):
         if token in ids:
-            raise ValueError(f"target_prefix must not contain the {name} token "
-                             f"({tokenizer.id_to_token(token)!r})")
+            raise PrefixError(f"must not contain the {name} token "
+                              f"({tokenizer.id_to_token(token)!r})")
     return ids
 
 
@@ -166,8 +175,8 @@ def request_options(tokenizer: Tokenizer, defaults: GenerationDefaults,
     counts_as_new = not prefix
     input_prefix = 0 if counts_as_new else len(tokens)
     if input_prefix >= max_new_tokens_limit:
-        raise ValueError(f"target_prefix is {len(prefix)} tokens, over the limit of "
-                         f"{max_new_tokens_limit - 1 - len(forced)} for this model")
+        raise PrefixError(f"is {len(prefix)} tokens, over the limit of "
+                          f"{max_new_tokens_limit - 1 - len(forced)} for this model")
     fields = defaults.merge(given, input_prefix, max_new_tokens_limit - input_prefix,
                             tokenizer.eos_id)
     options = DecodingOptions(**fields, prefix_token_ids=tuple(tokens),
