@@ -43,6 +43,7 @@ from aiohttp.http_exceptions import (
     InvalidURLError,
     TransferEncodingError,
 )
+from google.protobuf.message import Message
 from multidict import CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -183,7 +184,7 @@ class HttpCall(Call):
         """The response headers every answer of this call carries."""
         return {REQUEST_ID_KEY: self.request_id}
 
-    def sized(self, message: Any) -> bytes:
+    def sized(self, message: Message) -> bytes:
         """The message as JSON, or ResponseTooLarge past --max-message-bytes."""
         body = to_json(message)
         self.check_size(len(body))
@@ -198,7 +199,7 @@ class HttpCall(Call):
         return error_response(status.name, details, http_status, self.headers)
 
 
-async def read_message(request: web.Request, message_class: Any) -> Any:
+async def read_message(request: web.Request, message_class: type[Message]) -> Message:
     """The request's JSON body as a message; InvalidArgument for a body that is not one
     (wrong content type, not JSON, unknown field, wrong type), BodyTooLarge past the limit."""
     if request.content_type != "application/json":
@@ -337,7 +338,7 @@ class HttpApi:
         self.document = json.dumps(openapi_document(
             (route.operation for route in ROUTES), core.config, CALL_HEADERS)).encode()
 
-    async def _call(self, request: web.Request, rpc: str, message_class: Any
+    async def _call(self, request: web.Request, rpc: str, message_class: type[Message] | None
                     ) -> tuple[HttpCall, Any]:
         """The call and its request message (None without a body; an empty one for a body
         that is not one: read_call)."""
@@ -347,7 +348,8 @@ class HttpApi:
                                lambda given: read_message(given, message_class),
                                HttpCall, message_class)
 
-    async def _unary(self, request: web.Request, rpc: str, message_class: Any,
+    async def _unary(self, request: web.Request, rpc: str,
+                     message_class: type[Message] | None,
                      answer: Callable[[Any, HttpCall], Awaitable[bytes]]) -> web.Response:
         """A unary call: read the body, answer the JSON `answer` returns (the core's method
         that it calls begins the call)."""
