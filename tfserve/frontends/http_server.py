@@ -45,13 +45,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.streams import StreamReader
 
 from tfserve.frontends.front_end import Readiness, Shared
-from tfserve.frontends.http_api import (
-    BODY_DROPPED,
-    Handler,
-    error_response,
-    make_app,
-    malformed_reason,
-)
+from tfserve.frontends.http_api import BODY_DROPPED, make_app
+from tfserve.frontends.http_errors import Handler, error_response, malformed_reason
 from tfserve.frontends.oip_rest import add_routes as add_oip_routes
 from tfserve.serving import ServingCore, Status
 from tfserve.serving.auth import BearerAuth
