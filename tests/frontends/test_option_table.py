@@ -52,9 +52,13 @@ def test_every_option_is_a_proto_field_of_its_type_and_every_field_is_declared()
                                          r"tfserve\.v1\.DecodingOptions\.typical_p"):
         check_options((*OPTIONS, fresh))
     retyped = dataclasses.replace(option_table.option("top_k"), type=float, high=10.0)
-    with pytest.raises(ValueError, match=r"^decoding option top_k is a float, but "
-                                         r"tfserve\.v1\.DecodingOptions\.top_k is int32$"):
+    with pytest.raises(ValueError, match=r"^decoding option top_k \(float\) does not fit "
+                                         r"tfserve\.v1\.DecodingOptions\.top_k \(int32\)$"):
         check_options(tuple(retyped if o.name == "top_k" else o for o in OPTIONS))
+    ids = Option("ids", int, 0, "Ids", "token ids", low=0)
+    with pytest.raises(ValueError, match=r"^decoding option ids \(int\) does not fit "
+                                         r"tfserve\.v1\.TokenIds\.ids \(repeated int64\)$"):
+        check_options((ids,), pb2.TokenIds.DESCRIPTOR)
     with pytest.raises(ValueError, match=r"^tfserve\.v1\.DecodingOptions field\(s\) seed not "
                                          r"declared in tfserve\.option_table$"):
         check_options(tuple(o for o in OPTIONS if o.name != "seed"))

@@ -59,10 +59,12 @@ def check_options(options: Sequence[option_table.Option] | None = None,
             raise ValueError(f"decoding option {declared.name}: there is no field {where} "
                              "(proto/tfserve/v1/translator.proto; regenerate the stubs after "
                              "adding it)")
-        if found.is_repeated or found.type not in _WIRE_TYPES[declared.type]:
+        # a repeated field's default is []: protobuf 5 has no is_repeated, 6 deprecates label
+        repeated = found.default_value == []
+        if repeated or found.type not in _WIRE_TYPES[declared.type]:
             kind = FieldDescriptorProto.Type.Name(found.type).removeprefix("TYPE_").lower()
-            raise ValueError(f"decoding option {declared.name} is a {declared.type.__name__}, "
-                             f"but {where} is {'repeated ' if found.is_repeated else ''}{kind}")
+            raise ValueError(f"decoding option {declared.name} ({declared.type.__name__}) does "
+                             f"not fit {where} ({'repeated ' if repeated else ''}{kind})")
     names = {declared.name for declared in options}
     undeclared = [found.name for found in descriptor.fields if found.name not in names]
     if undeclared:
