@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.message import Message
+
 from tfserve.artifacts.generation_defaults import GenerationDefaults
 from tfserve.artifacts.manifest import Manifest
 from tfserve.generation import DecodingOptions
@@ -27,7 +29,7 @@ ModelInfo, Limits, ParitySummary = pb2.ModelInfo, pb2.Limits, pb2.ParitySummary
 
 
 def model_info(runtime: ServedModel, config: ServerConfig, max_new_tokens_limit: int,
-               name: str = "", version: str = "") -> Any:
+               name: str = "", version: str = "") -> Message:
     """The ModelInfo message of `runtime` served with `config` (max_new_tokens_limit: the
     scheduler's) as the model `name` of the repository, at `version`."""
     return describe_model(runtime.manifest, runtime.tokenizer, runtime.describe(), config,
@@ -35,7 +37,7 @@ def model_info(runtime: ServedModel, config: ServerConfig, max_new_tokens_limit:
 
 
 def unloaded_model_info(directory: Path, config: ServerConfig, name: str,
-                        version: str) -> Any:
+                        version: str) -> Message:
     """The ModelInfo of the artifacts in `directory`, read from model.json and the tokenizer
     without loading the graphs: `device` is the one it would load on, `providers` empty (it
     has no session). ManifestError or TokenizerError when the files are bad."""
@@ -49,7 +51,7 @@ def unloaded_model_info(directory: Path, config: ServerConfig, name: str,
 
 def describe_model(manifest: Manifest, tokenizer: Tokenizer, describe: dict[str, Any],
                    config: ServerConfig, max_new_tokens_limit: int, name: str,
-                   version: str) -> Any:
+                   version: str) -> Message:
     """ModelInfo from a model's manifest, tokenizer and runtime description (device,
     providers). An encoder-only model has no decoding limits or defaults: they stay 0 and
     empty."""
@@ -113,7 +115,7 @@ def default_source_language(tokenizer: Tokenizer, model_source_language: str) ->
 
 
 def generation_defaults(recorded: GenerationDefaults, applied: dict[str, Any],
-                        tokenizer: Tokenizer) -> Any:
+                        tokenizer: Tokenizer) -> Message:
     """The GenerationDefaults message: the DecodingOptions fields the model's defaults give
     a request without target prefix (`applied`), its forced first token, what model.json
     records and what of it is not applied."""
