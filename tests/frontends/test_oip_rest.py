@@ -196,6 +196,8 @@ def test_auth_token_is_required_when_set(tmp_path: Path) -> None:
         with pytest.raises(InferenceServerException) as raised:
             client.infer("demo", [text_input(["seven"])])
         assert raised.value.status() == "401"
+        assert raised.value.message() == \
+            "missing or wrong bearer token in the Authorization header"  # the protocol's body
         result = client.infer("demo", [text_input(["seven"])],
                               headers={"Authorization": f"Bearer {TOKEN}"})
         assert decoded(result.as_numpy("translation")) == ["sept"]

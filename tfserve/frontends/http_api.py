@@ -48,6 +48,7 @@ from tfserve.frontends.http_errors import (
     HTTP_STATUS,
     Handler,
     body_problem,
+    error_answer,
     error_json,
     error_response,
     json_errors,
@@ -84,6 +85,9 @@ from tfserve.serving.auth import REPEATED, BearerAuth
 from tfserve.serving.calls import CALL_ENDED
 from tfserve.serving.tracing import SERVICE
 
+# the name prefix of the Open Inference Protocol's routes (tfserve.frontends.oip_rest adds
+# them to this app): their failures are the protocol's `{"error": "<message>"}`
+OIP_ROUTE_PREFIX = "oip:"
 log = logging.getLogger("tfserve.server")
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"  # the playground page
@@ -496,8 +500,10 @@ def bearer_token(auth: BearerAuth) -> Callable[[web.Request, Handler],
                      peer_name(request), request.headers.get(REQUEST_ID_KEY, ""))
         reason = ("more than one Authorization header" if refusal == REPEATED
                   else "missing or wrong bearer token in the Authorization header")
-        return error_response(Status.UNAUTHENTICATED.name, reason, 401,
-                              {"WWW-Authenticate": "Bearer"})
+        challenge = {"WWW-Authenticate": "Bearer"}
+        if (match.route.name or "").startswith(OIP_ROUTE_PREFIX):  # the protocol's error body
+            return error_answer(reason, 401, challenge)
+        return error_response(Status.UNAUTHENTICATED.name, reason, 401, challenge)
 
     return check
 

@@ -50,6 +50,15 @@ def error_json(code: str, message: str) -> bytes:
                       separators=(",", ":")).encode("utf-8")
 
 
+def error_answer(message: str, http_status: int,
+                 headers: Mapping[str, str] | None = None) -> web.Response:
+    """`{"error": message}`, Content-Type application/json exactly (without a charset: KServe's
+    client reads the error only then)."""
+    body = json.dumps({"error": message}, ensure_ascii=False).encode("utf-8")
+    return web.Response(body=body, status=http_status, content_type="application/json",
+                        headers=headers)
+
+
 # aiohttp's parse errors whose message may be the refused bytes alone (a URL, a chunk size
 # line), unquoted: named by their kind instead
 _UNQUOTED = {InvalidURLError: "Invalid URL", TransferEncodingError: "Invalid chunked encoding"}

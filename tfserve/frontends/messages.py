@@ -46,6 +46,12 @@ _WIRE_TYPES = {
 }
 
 
+
+def is_repeated(field: FieldDescriptor) -> bool:
+    """Whether a message field is repeated, on every protobuf tfserve supports: its default
+    is [] (protobuf 5 has no FieldDescriptor.is_repeated, 6 deprecates label)."""
+    return field.default_value == []
+
 def check_options(options: Sequence[option_table.Option] | None = None,
                   descriptor: Descriptor = pb2.DecodingOptions.DESCRIPTOR) -> None:
     """ValueError unless each declared decoding option (tfserve.option_table) is the field of
@@ -59,8 +65,7 @@ def check_options(options: Sequence[option_table.Option] | None = None,
             raise ValueError(f"decoding option {declared.name}: there is no field {where} "
                              "(proto/tfserve/v1/translator.proto; regenerate the stubs after "
                              "adding it)")
-        # a repeated field's default is []: protobuf 5 has no is_repeated, 6 deprecates label
-        repeated = found.default_value == []
+        repeated = is_repeated(found)
         if repeated or found.type not in _WIRE_TYPES[declared.type]:
             kind = FieldDescriptorProto.Type.Name(found.type).removeprefix("TYPE_").lower()
             raise ValueError(f"decoding option {declared.name} ({declared.type.__name__}) does "
@@ -236,12 +241,12 @@ def _check_shape(document: dict[str, Any], descriptor: Descriptor, path: str) ->
             raise InvalidArgument(f"{where}: the field is given twice (also as "
                                   f"{shown(named[field.name])})")
         named[field.name] = key
-        values = value if field.is_repeated and isinstance(value, list) else [value]
+        values = value if is_repeated(field) and isinstance(value, list) else [value]
         if field.type in _FLOATS and any(isinstance(item, bool) for item in values):
             raise InvalidArgument(f"{where} must be a number, not a boolean")
         if field.type != FieldDescriptor.TYPE_MESSAGE or value is None:
             continue
-        if field.is_repeated:
+        if is_repeated(field):
             if not isinstance(value, list):
                 continue  # json_format names the field
             items = [(f"{where}[{index}]", item) for index, item in enumerate(value)]

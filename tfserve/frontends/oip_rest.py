@@ -28,7 +28,15 @@ import numpy as np
 from aiohttp import web
 
 from tfserve.frontends.front_end import Readiness
-from tfserve.frontends.http_api import HTTP_STATUS, BodyTooLarge, HttpCall, read_body, read_call
+from tfserve.frontends.http_api import (
+    HTTP_STATUS,
+    OIP_ROUTE_PREFIX,
+    BodyTooLarge,
+    HttpCall,
+    read_body,
+    read_call,
+)
+from tfserve.frontends.http_errors import error_answer
 from tfserve.frontends.oip_tensors import (
     BYTES,
     PLATFORM,
@@ -70,15 +78,6 @@ class OipHttpCall(HttpCall):
             raise exc
         http_status = 413 if isinstance(exc, BodyTooLarge) else HTTP_STATUS[status]
         return error_answer(details, http_status, self.headers)
-
-
-def error_answer(message: str, http_status: int,
-                 headers: Mapping[str, str] | None = None) -> web.Response:
-    """`{"error": message}`, Content-Type application/json exactly (without a charset: KServe's
-    client reads the error only then)."""
-    body = json.dumps({"error": message}, ensure_ascii=False).encode("utf-8")
-    return web.Response(body=body, status=http_status, content_type="application/json",
-                        headers=headers)
 
 
 # -- request bodies -------------------------------------------------------------------------
@@ -336,6 +335,9 @@ def add_routes(app: web.Application, core: ServingCore, ready: Readiness) -> Non
     model_ready = next(route.handler for route in app.router.routes()
                        if route.resource is not None
                        and route.resource.canonical == NATIVE_MODEL_READY)
-    for method, path, handler in ROUTES:
+    for index, (method, path, handler) in enumerate(ROUTES):
+        # the name marks a route of the protocol: the app's token check answers its 401 as
+        # the protocol does (OIP_ROUTE_PREFIX, tfserve.frontends.http_api.bearer_token)
         app.router.add_route(method, path, model_ready if handler == "model_ready"
-                             else getattr(api, handler))
+                             else getattr(api, handler),
+                             name=f"{OIP_ROUTE_PREFIX}{handler}{index}")

@@ -21,7 +21,7 @@ from typing import Any
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from tfserve import option_table
-from tfserve.frontends.messages import pb2
+from tfserve.frontends.messages import is_repeated, pb2
 from tfserve.serving.requests import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 from tfserve.serving.settings import ServerConfig
 from tfserve.serving.status import Status
@@ -217,7 +217,7 @@ def message_schemas(names: Iterable[str],
             else:
                 schema = dict(_SCALARS[field.type])
             more = dict(added.get(field.json_name, {}))
-            if field.is_repeated:
+            if is_repeated(field):
                 schema = {"type": "array", "items": {**schema, **more.pop("items", {})}}
             schema = {**schema, **more}
             if descriptor.name in limits and field.json_name not in extra.get("required", ()):
