@@ -32,10 +32,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from tfserve.scheduler import Encoded
 from tfserve.serving.calls import Call, Calls
-from tfserve.serving.loaded import LoadedModel
+from tfserve.serving.loaded import LoadedModel, open_runtime
 from tfserve.serving.model_info import ModelInfo, model_info, unloaded_model_info
 from tfserve.serving.model_scan import Entry
 from tfserve.serving.model_slot import ModelStatus
@@ -53,16 +54,13 @@ log = logging.getLogger("tfserve.server")
 
 
 def load_runtime(config: ServerConfig) -> ServedModel:
-    """The Runtime for --model (the bundled demo when none is given), --device, --threads."""
-    from tfserve.runtime import Runtime
-
+    """The Runtime for --model (the bundled demo when none is given), as the settings say."""
     model = config.model
     if model is None:
         from tfserve.demo import default_artifacts
 
         model = default_artifacts()
-    return Runtime(model, device=config.device, intra_op_threads=config.threads,
-                   pack_weights=config.pack_weights)
+    return open_runtime(Path(model), config)
 
 
 class ServingCore:

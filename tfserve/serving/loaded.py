@@ -36,12 +36,16 @@ class RuntimeLoader:
     def __call__(self, entry: Entry) -> ServedModel:
         if entry.manifest_error:
             raise ValueError(entry.manifest_error)
-        from tfserve.runtime import Runtime
+        return open_runtime(entry.path, self.config)
 
-        return Runtime(entry.path, device=self.config.device,
-                       intra_op_threads=self.config.threads,
-                       pack_weights=self.config.pack_weights,
-                       kv_cache=self.config.kv_cache)
+
+def open_runtime(path: Path, config: ServerConfig) -> ServedModel:
+    """The artifacts in `path` on ONNX Runtime as the server's settings say: --device,
+    --threads, --pack-weights, --kv-cache."""
+    from tfserve.runtime import Runtime
+
+    return Runtime(path, device=config.device, intra_op_threads=config.threads,
+                   pack_weights=config.pack_weights, kv_cache=config.kv_cache)
 
 
 def runtime_loader(config: ServerConfig) -> Loader:
