@@ -269,22 +269,34 @@ class DeviceCache(CacheStorage):
         self._bind_host_inputs(binding, feeds)
         for name, value in zip(past_names + cross_names, list(past) + list(cross)):
             binding.bind_ortvalue_input(name, self._device_value(value))
+
+        def bind_present(names: list[str]) -> None:  # new device tensors, made by the run
+            for name in names:
+                binding.bind_output(name, self.memory, self.index)
+
+        logits, present, tops = self._run_step(decoder, binding, outputs, top_outputs,
+                                               need_logits, bind_present)
+        return StepOutput(logits, present, *tops)
+
+    def _run_step(self, decoder: ort.InferenceSession, binding: ort.IOBinding,
+                  outputs: list[str], top_outputs: list[str], need_logits: bool,
+                  bind_present: Callable[[list[str]], None]
+                  ) -> tuple[np.ndarray | None, list[ort.OrtValue], list[np.ndarray]]:
+        """The step's one run on its bound inputs: the logits bound to the host only when
+        asked for, the present K/V as `bind_present` binds them (outputs[1:]), the top
+        candidates to the host. (logits or None, the present K/V, the top candidates)."""
         if need_logits:  # else the logits stay unbound: made on the device, never copied
             binding.bind_output(outputs[0], "cpu")
-        for name in outputs[1:]:
-            binding.bind_output(name, self.memory, self.index)
+        bind_present(outputs[1:])
         for name in top_outputs:
             binding.bind_output(name, "cpu")
         self.counters.runs += 1
         decoder.run_with_iobinding(binding)
         values = binding.get_outputs()
-        logits = None
-        if need_logits:
-            logits = self._fetch(values[0]).astype(np.float32, copy=False)
-            values = values[1:]
-        cache_end = len(outputs) - 1
-        return StepOutput(logits, list(values[:cache_end]),
-                          *[self._fetch(value) for value in values[cache_end:]])
+        logits = self._fetch(values[0]).astype(np.float32, copy=False) if need_logits else None
+        cache_end = len(values) - len(top_outputs)
+        return (logits, list(values[int(need_logits) : cache_end]),
+                [self._fetch(value) for value in values[cache_end:]])
 
     def _device_value(self, value: Any) -> ort.OrtValue:
         """A tensor as an OrtValue on the device (copied there when it is a numpy array)."""

@@ -214,20 +214,15 @@ class StaticCache(DeviceCache):
             binding.bind_ortvalue_input(name, value)
         for name, value in zip(cross_names, cross):
             binding.bind_ortvalue_input(name, self._device_value(value))
-        if need_logits:
-            binding.bind_output(outputs[0], "cpu")
         shape = [rows, self.heads, target.length, self.head_dim]  # the first rows of `write`
-        for name, value in zip(outputs[1:], write):
-            binding.bind_output(name, self.memory, self.index, self.dtype, shape, value.data_ptr())
-        for name in top_outputs:
-            binding.bind_output(name, "cpu")
-        self.counters.runs += 1
-        decoder.run_with_iobinding(binding)
-        values = binding.get_outputs()
-        logits = None
-        if need_logits:
-            logits = self._fetch(values[0]).astype(np.float32, copy=False)
-        tops = [self._fetch(value) for value in values[len(values) - len(top_outputs) :]]
+
+        def bind_present(names: list[str]) -> None:  # into the set it writes, in place
+            for name, value in zip(names, write):
+                binding.bind_output(name, self.memory, self.index, self.dtype, shape,
+                                    value.data_ptr())
+
+        logits, _, tops = self._run_step(decoder, binding, outputs, top_outputs, need_logits,
+                                         bind_present)
         # the written set is the cache now: the run is done, and a failed one changed nothing
         target.current = 1 - target.current
         target.generation += 1
