@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from server_helpers import (
@@ -769,10 +770,17 @@ def test_health_and_reflection_with_generic_stubs(server: ServerThread) -> None:
         responses = list(reflection.ServerReflectionInfo(iter([
             reflection_pb2.ServerReflectionRequest(list_services=""),
             reflection_pb2.ServerReflectionRequest(
-                file_containing_symbol="tfserve.v1.Translator")]), timeout=60))
+                file_containing_symbol="tfserve.v1.Translator"),
+            reflection_pb2.ServerReflectionRequest(  # the Open Inference Protocol's too
+                file_containing_symbol="inference.GRPCInferenceService")]),
+            timeout=60))
         names = {s.name for s in responses[0].list_services_response.service}
-        assert {"tfserve.v1.Translator", "grpc.health.v1.Health"} <= names
+        assert {"tfserve.v1.Translator", "inference.GRPCInferenceService",
+                "grpc.health.v1.Health"} <= names
         assert responses[1].file_descriptor_response.file_descriptor_proto
+        described = descriptor_pb2.FileDescriptorProto.FromString(
+            responses[2].file_descriptor_response.file_descriptor_proto[0])
+        assert "GRPCInferenceService" in [service.name for service in described.service]
 
 
 def test_metrics_endpoint(server: ServerThread, client: Client) -> None:

@@ -20,11 +20,15 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf.descriptor import FileDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from tfserve.frontends.front_end import Shared
 from tfserve.frontends.grpc_api import SERVICE_NAME, TranslatorService, add_translator_service
+from tfserve.frontends.messages import pb2 as translator_pb2
+from tfserve.frontends.oip_grpc import SERVICE as INFERENCE
 from tfserve.frontends.oip_grpc import add_inference_service
 from tfserve.serving import REQUEST_ID_KEY, ServingCore
 from tfserve.serving.auth import REPEATED, BearerAuth
@@ -82,6 +86,32 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
                 deny, handler.request_deserializer, handler.response_serializer)
         return grpc.stream_stream_rpc_method_handler(
             deny_stream, handler.request_deserializer, handler.response_serializer)
+
+
+INFERENCE_SERVICE = INFERENCE.full_name
+
+
+def reflection_pool() -> descriptor_pool.DescriptorPool:
+    """The files of every service this server offers, in one pool for the reflection service:
+    the Open Inference Protocol's messages live in a pool of their own
+    (tfserve.proto.private_pool), the others in protobuf's default pool."""
+    pool = descriptor_pool.DescriptorPool()
+    added: set[str] = set()
+
+    def add(file: FileDescriptor) -> None:
+        if file.name in added:
+            return
+        for dependency in file.dependencies:  # a file's imports go in first
+            add(dependency)
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        pool.Add(proto)
+        added.add(file.name)
+
+    for file in (translator_pb2.DESCRIPTOR, INFERENCE.file, health_pb2.DESCRIPTOR,
+                 reflection_pb2.DESCRIPTOR):
+        add(file)
+    return pool
 
 
 def server_options(config: ServerConfig, shared_port: bool) -> list[tuple[str, int]]:
@@ -160,7 +190,8 @@ class GrpcServer:
         add_inference_service(self.core, server)  # the Open Inference Protocol, on this port
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            (SERVICE_NAME, INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            server, pool=reflection_pool())
         address = listen_address(config)
         self.port = bind(server, config, address)
         if self.port == 0:
