@@ -332,10 +332,12 @@ class Fp16Arithmetic:
 
 
 def graph_greedy(encoder, decoder, ids: np.ndarray, mask: np.ndarray, layers: int,
-                 steps: int) -> tuple[np.ndarray, list[np.ndarray]]:
+                 steps: int, forced: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """Greedy tokens [B,steps] (argmax, no bans or stop) and each step's logits [B,V] from
     an encoder and a decoder graph run through `.run(None, feeds)` (an ONNX Runtime session
-    or a reference evaluator)."""
+    or a reference evaluator). forced [B,steps]: the tokens fed back instead of the argmax
+    (teacher forcing: every step sees forced's prefix)."""
     encoded = encoder.run(None, {"input_ids": ids, "attention_mask": mask})
     rows = len(ids)
     tokens = np.zeros((rows, 1), np.int64)  # T5's decoder start token: pad, 0
@@ -350,8 +352,8 @@ def graph_greedy(encoder, decoder, ids: np.ndarray, mask: np.ndarray, layers: in
             "self_attention_mask": np.ones((rows, step + 1), np.int64),
             "encoder_attention_mask": mask, **past, **cross})
         logits.append(outputs[0][:, -1].astype(np.float32))
-        tokens = logits[-1].argmax(axis=-1)[:, None]
-        chosen.append(tokens[:, 0])
+        chosen.append(logits[-1].argmax(axis=-1))
+        tokens = (chosen[-1] if forced is None else forced[:, step])[:, None]
         past = {name: outputs[1 + index] for index, name in enumerate(past)}
     return np.stack(chosen, axis=1), logits
 
@@ -396,15 +398,25 @@ def test_t5_fp16_export_equals_fp32_where_ffn_outputs_exceed_fp16(t5_v11, tmp_pa
     half = Fp16Arithmetic(out["fp16"])
     with np.errstate(over="ignore", invalid="ignore"):  # the control's overflow
         tokens, logits = graph_greedy(half.encoder, half.decoder, ids, mask, layers=2,
-                                      steps=12)
+                                      steps=12, forced=tokens_ref)
         all_half = Fp16Arithmetic(out["fp16-all-half"])
         hidden = all_half.encoder.run(["encoder_hidden_states"],
                                       {"input_ids": ids, "attention_mask": mask})[0]
     assert not np.isfinite(hidden).all()  # the control overflows
     assert np.isfinite(np.stack(logits)).all()
-    assert (tokens == tokens_ref).all()
-    # at each step both saw the same prefix; the export's fp16 rule (export.verify): float16
-    # rounds the FFN product (up to ~1e3 here, spacing 0.5) and every elementwise result
+    # at each step both saw the same prefix (fp32's tokens). float16 picks fp32's token but
+    # where the two are a near tie within the fp16 rule (export.verify): each logit within
+    # atol + rtol * |row| of fp32's, so fp32's own gap between them is at most twice that
+    fp16_rule = TOLERANCES["fp16"]
+    for step, want in enumerate(logits_ref):
+        rows = np.flatnonzero(tokens[:, step] != tokens_ref[:, step])
+        for row in rows:
+            gap = want[row, tokens_ref[row, step]] - want[row, tokens[row, step]]
+            assert gap <= 2 * (fp16_rule.atol + fp16_rule.rtol * np.abs(want[row]).max()), \
+                (step, row, gap)
+    assert (tokens == tokens_ref).mean() >= 0.9
+    # the export's fp16 rule: float16 rounds the FFN product (up to ~1e3 here, spacing 0.5)
+    # and every elementwise result
     relative = max(relative_diff(got, want) for got, want in zip(logits, logits_ref))
     assert max(TOLERANCES["fp16"].ratio(got, want) for got, want in zip(logits, logits_ref)) \
         <= 1.0
