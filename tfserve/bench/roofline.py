@@ -28,12 +28,12 @@ from pathlib import Path
 import numpy as np
 
 from tfserve.argparsing import OneLineParser
+from tfserve.artifacts.manifest import decoder_io
 from tfserve.bench.common import cpu_count
 
 PROG = "python -m tfserve.bench.roofline"
 # inputs of the decoder graph that are per-call values, not weights (docs/graph-interface.md)
-CALL_INPUTS = ("input_ids", "position_ids", "self_attention_mask", "encoder_attention_mask",
-               "cache_rows")
+CALL_INPUTS = decoder_io(0)[0]  # the decoder's inputs besides its layers' K/V caches
 CACHE_PREFIXES = ("past_key_", "past_value_", "cross_key_", "cross_value_")
 
 
@@ -130,13 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.artifacts / "decoder.onnx").is_file():
         print(f"{PROG}: {args.artifacts}: no decoder.onnx", file=sys.stderr)
         return 2
-    step = bytes_per_step(args.artifacts, args.source_tokens, args.new_tokens // 2)
-    bandwidth = read_bandwidth(args.threads)
-    total = step["weights"] + step["cache"]
-    print(f"bytes per step {total / 1e6:.1f} MB (weights {step['weights'] / 1e6:.1f}, "
-          f"caches {step['cache'] / 1e6:.2f}); read bandwidth {bandwidth / 1e9:.2f} GB/s; "
-          f"roofline {bandwidth / total:.1f} tokens/s; "
-          f"share {roofline_share(total, args.tokens_per_second, bandwidth):.0%}")
+    shares = batch_one_shares(args.artifacts, {"measured": args.tokens_per_second},
+                              args.source_tokens, args.new_tokens, args.threads)
+    print(format_shares(shares))
     return 0
 
 
