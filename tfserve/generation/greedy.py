@@ -47,9 +47,7 @@ class GreedySearch(Search):
             return self._choose(self.eos, 0.0)
         if self.forcing:
             return self._force()
-        values = log_probs[0]
-        if self.generated < self.options.min_new_tokens:
-            values = np.where(ids[0] == self.eos, -np.inf, values)
+        values = self.block_eos_candidates(ids, log_probs)[0]
         best = int(values.argmax())  # the first of equal maxima, as argmax over the row
         return self._choose(int(ids[0, best]), float(values[best]))
 

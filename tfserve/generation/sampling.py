@@ -73,8 +73,7 @@ class SamplingSearch(Search):
             return self._end()
         if self.forcing:
             return self._force()
-        if self.generated < self.options.min_new_tokens:
-            log_probs = np.where(ids == self.eos, -np.inf, log_probs)
+        log_probs = self.block_eos_candidates(ids, log_probs)
         order = np.argsort(ids, axis=1, kind="stable")  # [rows,K]: increasing token ids
         ids = np.take_along_axis(ids, order, axis=1)
         log_probs = np.take_along_axis(log_probs, order, axis=1)

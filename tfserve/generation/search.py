@@ -120,6 +120,12 @@ class Search:
             logits[:, self.eos] = -np.inf
         return logits
 
+    def block_eos_candidates(self, ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """block_eos for candidates: `values` [rows,K] of the token ids [rows,K]."""
+        if self.generated < self.options.min_new_tokens:
+            return np.where(ids == self.eos, -np.inf, values)
+        return values
+
     def candidates_per_row(self) -> int:
         """Best tokens per row the batch should find for `advance` (0: none needed)."""
         return 0
