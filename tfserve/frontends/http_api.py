@@ -48,10 +48,10 @@ from tfserve.frontends.http_errors import (
     HTTP_STATUS,
     Handler,
     body_problem,
-    error_answer,
     error_json,
     error_response,
     json_errors,
+    oip_error_response,
 )
 from tfserve.frontends.messages import (
     encode_input,
@@ -502,7 +502,7 @@ def bearer_token(auth: BearerAuth) -> Callable[[web.Request, Handler],
                   else "missing or wrong bearer token in the Authorization header")
         challenge = {"WWW-Authenticate": "Bearer"}
         if (match.route.name or "").startswith(OIP_ROUTE_PREFIX):  # the protocol's error body
-            return error_answer(reason, 401, challenge)
+            return oip_error_response(reason, 401, challenge)
         return error_response(Status.UNAUTHENTICATED.name, reason, 401, challenge)
 
     return check

@@ -50,9 +50,10 @@ def error_json(code: str, message: str) -> bytes:
                       separators=(",", ":")).encode("utf-8")
 
 
-def error_answer(message: str, http_status: int,
-                 headers: Mapping[str, str] | None = None) -> web.Response:
-    """`{"error": message}`, Content-Type application/json exactly (without a charset: KServe's
+def oip_error_response(message: str, http_status: int,
+                       headers: Mapping[str, str] | None = None) -> web.Response:
+    """The Open Inference Protocol's error answer, beside error_response's native one:
+    `{"error": message}`, Content-Type application/json exactly (without a charset: KServe's
     client reads the error only then)."""
     body = json.dumps({"error": message}, ensure_ascii=False).encode("utf-8")
     return web.Response(body=body, status=http_status, content_type="application/json",

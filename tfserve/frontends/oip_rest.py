@@ -36,7 +36,7 @@ from tfserve.frontends.http_api import (
     read_body,
     read_call,
 )
-from tfserve.frontends.http_errors import error_answer
+from tfserve.frontends.http_errors import oip_error_response
 from tfserve.frontends.oip_tensors import (
     BYTES,
     PLATFORM,
@@ -77,7 +77,7 @@ class OipHttpCall(HttpCall):
         if isinstance(exc, CALL_ENDED):
             raise exc
         http_status = 413 if isinstance(exc, BodyTooLarge) else HTTP_STATUS[status]
-        return error_answer(details, http_status, self.headers)
+        return oip_error_response(details, http_status, self.headers)
 
 
 # -- request bodies -------------------------------------------------------------------------
