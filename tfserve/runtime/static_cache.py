@@ -94,8 +94,8 @@ class StaticCache(DeviceCache):
         self.max_length = max_length
         # free pairs, newest last, and their (rows, columns); a pair is released by the
         # garbage collector on whatever thread drops the last StaticPast of it
-        self._pool: list[list[list[ort.OrtValue]]] = []
-        self._pool_shapes: list[tuple[int, int]] = []
+        # freed buffer pairs, oldest first, with their (rows, columns)
+        self._pool: list[tuple[tuple[int, int], list[list[ort.OrtValue]]]] = []
         self._pool_lock = threading.RLock()
         self.buckets_made = 0  # buffer pairs allocated (not taken from the pool)
 
@@ -120,11 +120,11 @@ class StaticCache(DeviceCache):
         is multiplied by a weight of 0, which NaN garbage would survive)."""
         shape = (rows, self.heads, length, self.head_dim)
         with self._pool_lock:
-            pooled = (rows, length) in self._pool_shapes
+            position = next((i for i, (shape, _) in enumerate(self._pool)
+                             if shape == (rows, length)), None)
+            pooled = position is not None
             if pooled:
-                position = self._pool_shapes.index((rows, length))
-                del self._pool_shapes[position]
-                sets = self._pool.pop(position)
+                sets = self._pool.pop(position)[1]
         if not pooled:
             self.buckets_made += 1
             zeros = np.zeros(shape, self.dtype)
@@ -144,17 +144,15 @@ class StaticCache(DeviceCache):
     def _release(self, sets: list[list[ort.OrtValue]], shape: tuple[int, int]) -> None:
         """Buffers no `StaticPast` refers to any more: kept for the next batch."""
         with self._pool_lock:
-            self._pool.append(sets)
-            self._pool_shapes.append(shape)
+            self._pool.append((shape, sets))
             if len(self._pool) > self.POOL:
-                del self._pool[0], self._pool_shapes[0]
+                del self._pool[0]
 
     def drop_pool(self) -> None:
         """Free the pooled buffers (the load's check steps at the last target position, in
         a bucket of model.max_target_positions columns that serving rarely needs)."""
         with self._pool_lock:
             self._pool.clear()
-            self._pool_shapes.clear()
 
     # -- the step ---------------------------------------------------------------------------
 
