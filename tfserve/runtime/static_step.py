@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tfserve.runtime.step_graph import CACHE_ROWS
+from tfserve.runtime.step_graph import CACHE_ROWS, load_decoder
 
 SELF_ATTENTION_MASK = "self_attention_mask"
 POSITION_IDS = "position_ids"
@@ -50,16 +50,10 @@ def static_decoder(
     """The decoder graph at `decoder` (its weights left in their files) rewritten for a static
     cache (module docstring). past_names / present_names: past_key_0, past_value_0, ... and
     present_key_0, ... in the same order."""
-    from onnx import TensorProto, helper, load
+    from onnx import TensorProto, helper
 
-    model = load(str(decoder), load_external_data=False)
+    model = load_decoder(decoder, (*past_names, SELF_ATTENTION_MASK, POSITION_IDS))
     graph = model.graph
-    inputs = {value.name for value in graph.input}
-    if CACHE_ROWS in inputs:
-        raise ValueError(f"{decoder} already has an input {CACHE_ROWS!r}")
-    for name in (*past_names, SELF_ATTENTION_MASK, POSITION_IDS):
-        if name not in inputs:
-            raise ValueError(f"{decoder} has no input {name!r}")
     attention = {}  # past key name -> the index of the self-attention node that reads it
     for index, node in enumerate(graph.node):
         for name in node.input:

@@ -16,7 +16,9 @@ artifacts directory (`session.model_external_initializers_file_folder_path`, ONN
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 CACHE_ROWS = "cache_rows"
 # ONNX Runtime's session option naming the folder of the external data of a model loaded
@@ -40,20 +42,30 @@ def loads_rewritten_graphs() -> bool:
     return reads_graph_bytes() and importlib.util.find_spec("onnx") is not None
 
 
+def load_decoder(decoder: Path, needed: Sequence[str]) -> Any:
+    """The decoder graph at `decoder` without its weights (onnx's ModelProto), to rewrite
+    with a `cache_rows` input: a ValueError when it has one already or lacks an input of
+    `needed`."""
+    from onnx import load
+
+    model = load(str(decoder), load_external_data=False)
+    inputs = {value.name for value in model.graph.input}
+    if CACHE_ROWS in inputs:
+        raise ValueError(f"{decoder} already has an input {CACHE_ROWS!r}")
+    missing = [name for name in needed if name not in inputs]
+    if missing:
+        raise ValueError(f"{decoder} has no input {missing[0]!r}")
+    return model
+
+
 def rewritten_decoder(decoder: Path, past_names: list[str]) -> bytes:
     """The decoder graph at `decoder` (its weights left in their files) with the
     `cache_rows` input: every consumer of past_key_l / past_value_l reads
     Gather(past, cache_rows, axis 0) instead."""
-    from onnx import TensorProto, helper, load
+    from onnx import TensorProto, helper
 
-    model = load(str(decoder), load_external_data=False)
+    model = load_decoder(decoder, past_names)
     graph = model.graph
-    inputs = {value.name for value in graph.input}
-    if CACHE_ROWS in inputs:
-        raise ValueError(f"{decoder} already has an input {CACHE_ROWS!r}")
-    missing = [name for name in past_names if name not in inputs]
-    if missing:
-        raise ValueError(f"{decoder} has no input {missing[0]!r}")
     gathered = {name: f"{name}/{CACHE_ROWS}" for name in past_names}
     for node in graph.node:
         for position, name in enumerate(node.input):
