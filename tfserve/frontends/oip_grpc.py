@@ -39,16 +39,17 @@ from tfserve.frontends.oip_tensors import (
     InferRequest,
     Tensor,
     TensorSpec,
+    answered_model,
     bytes_elements,
     check_streamable,
     chunk_outputs,
     core_request,
     embedding_outputs,
+    infer_outputs,
     model_inputs,
     model_outputs,
     protocol_error,
     raw_contents,
-    translation_outputs,
 )
 from tfserve.proto import load_inference
 from tfserve.serving import InvalidArgument, ServingCore, Status
@@ -219,20 +220,12 @@ class InferenceService:
             raise protocol_error(exc) from None
 
     async def infer(self, request: InferRequest, call: GrpcCall) -> Any:
-        given = core_request(self.core, call, request)
-        if isinstance(given, EncodeInput):
-            outputs = embedding_outputs(await self.core.encode(call, given))
-        else:
-            outputs = translation_outputs(await self.core.translate(call, given),
-                                          request.outputs)
-        return self.response(outputs, request, call)
+        return self.response(await infer_outputs(self.core, call, request), request, call)
 
     @staticmethod
     def response(outputs: list[Tensor], request: InferRequest, call: GrpcCall,
                  response_parameters: Mapping[str, Any] | None = None) -> Any:
-        model = call.model
-        return infer_response(outputs, model.name if model else request.model,
-                              model.version if model else request.version, request.id,
+        return infer_response(outputs, *answered_model(call, request), request.id,
                               response_parameters)
 
     async def ModelStreamInfer(self, requests: AsyncIterator[Received],

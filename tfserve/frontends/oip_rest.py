@@ -43,19 +43,18 @@ from tfserve.frontends.oip_tensors import (
     SERVICE_NAME,
     InferRequest,
     Tensor,
+    answered_model,
     bytes_elements,
-    core_request,
-    embedding_outputs,
+    infer_outputs,
     model_inputs,
     model_outputs,
     protocol_error,
     raw_contents,
-    translation_outputs,
     wants_binary,
 )
 from tfserve.serving import ServingCore
 from tfserve.serving.calls import CALL_ENDED
-from tfserve.serving.requests import EncodeInput, shown
+from tfserve.serving.requests import shown
 from tfserve.serving.status import InvalidArgument, Status
 from tfserve.version import __version__
 
@@ -307,15 +306,9 @@ class OipRest:
     async def _infer(self, call: OipHttpCall, request: InferRequest) -> web.Response:
         names = InferRequest(request.model, request.version, request.id, request.inputs,
                              [name for name, _ in request.outputs], request.parameters)
-        given = core_request(self.core, call, names)
-        if isinstance(given, EncodeInput):
-            outputs = embedding_outputs(await self.core.encode(call, given))
-        else:
-            outputs = translation_outputs(await self.core.translate(call, given), names.outputs)
-        model = call.model
+        outputs = await infer_outputs(self.core, call, names)
         answer = infer_answer(names, dict(request.outputs), outputs,
-                              model.name if model else request.model,
-                              model.version if model else request.version, call.headers)
+                              *answered_model(call, request), call.headers)
         call.check_size(answer.content_length or 0)
         return answer
 

@@ -221,6 +221,23 @@ def core_request(core: ServingCore, call: Call, request: InferRequest
         return TranslateInput(model=request.model, version=request.version)
 
 
+async def infer_outputs(core: ServingCore, call: Call, request: InferRequest) -> list[Tensor]:
+    """An inference request run by the core: its model's translations (the outputs it names)
+    or embeddings, as the protocol's tensors."""
+    given = core_request(core, call, request)
+    if isinstance(given, EncodeInput):
+        return embedding_outputs(await core.encode(call, given))
+    return translation_outputs(await core.translate(call, given), request.outputs)
+
+
+def answered_model(call: Call, request: InferRequest) -> tuple[str, str]:
+    """The model name and version an answer names: the version that served the call, else
+    the request's own (a call refused before a model took it)."""
+    model = call.model
+    return (model.name, model.version) if model is not None else (request.model,
+                                                                   request.version)
+
+
 def _check_outputs(request: InferRequest, offered: Sequence[TensorSpec]) -> None:
     names = [spec.name for spec in offered]
     for index, name in enumerate(request.outputs):
