@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_helpers import Gate, ServerThread, demo_trained, free_port, server_args
+from server_helpers import Gate, ServerThread, free_port, server_args
 
 from tfserve.client import Client
 
@@ -54,24 +54,6 @@ TOKEN = "playground-secret"
 
 
 # -- fixtures -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not demo_trained():
-        pytest.skip("the demo checkpoint (tfserve/demo/checkpoint/model.safetensors) is not "
-                    "trained yet")
-    from tfserve.demo import default_artifacts
-
-    saved = os.environ.get("TFSERVE_CACHE")
-    os.environ["TFSERVE_CACHE"] = str(tmp_path_factory.mktemp("tfserve-cache"))
-    try:
-        return default_artifacts()
-    finally:
-        if saved is None:
-            os.environ.pop("TFSERVE_CACHE", None)
-        else:
-            os.environ["TFSERVE_CACHE"] = saved
 
 
 class Served:

@@ -33,7 +33,6 @@ from server_helpers import (
     ProcessGate,
     ServerProcess,
     ServerThread,
-    demo_trained,
     free_port,
     server_args,
     wait_queued,
@@ -72,24 +71,6 @@ def server(random_model: Path, random_runtime: Any) -> Any:
 def client(server: ServerThread) -> Any:
     with Client(server.target, timeout=60) as c:
         yield c
-
-
-@pytest.fixture(scope="session")
-def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not demo_trained():
-        pytest.skip("the demo checkpoint (tfserve/demo/checkpoint/model.safetensors) is not "
-                    "trained yet")
-    from tfserve.demo import default_artifacts
-
-    saved = os.environ.get("TFSERVE_CACHE")
-    os.environ["TFSERVE_CACHE"] = str(tmp_path_factory.mktemp("tfserve-cache"))
-    try:
-        return default_artifacts()
-    finally:
-        if saved is None:
-            os.environ.pop("TFSERVE_CACHE", None)
-        else:
-            os.environ["TFSERVE_CACHE"] = saved
 
 
 @pytest.fixture(scope="module")
