@@ -30,7 +30,7 @@ transport reuses it as it is.
 """
 
 from tfserve.serving.calls import REQUEST_ID_KEY, Call, Calls
-from tfserve.serving.core import ServingCore, load_runtime
+from tfserve.serving.core import ServingCore
 from tfserve.serving.loaded import LoadedModel
 from tfserve.serving.model_info import Limits, ModelInfo, ParitySummary
 from tfserve.serving.model_slot import ModelStatus
@@ -85,7 +85,6 @@ __all__ = [
     "TokenStream",
     "TranslateInput",
     "check_request_id",
-    "load_runtime",
     "shown",
     "status_for",
 ]

@@ -32,11 +32,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from tfserve.scheduler import Encoded
 from tfserve.serving.calls import Call, Calls
-from tfserve.serving.loaded import LoadedModel, open_runtime
+from tfserve.serving.loaded import LoadedModel
 from tfserve.serving.model_info import ModelInfo, model_info, unloaded_model_info
 from tfserve.serving.model_scan import Entry
 from tfserve.serving.model_slot import ModelStatus
@@ -51,16 +50,6 @@ from tfserve.serving.tracing import start_tracing
 from tfserve.telemetry.metrics import Metrics
 
 log = logging.getLogger("tfserve.server")
-
-
-def load_runtime(config: ServerConfig) -> ServedModel:
-    """The Runtime for --model (the bundled demo when none is given), as the settings say."""
-    model = config.model
-    if model is None:
-        from tfserve.demo import default_artifacts
-
-        model = default_artifacts()
-    return open_runtime(Path(model), config)
 
 
 class ServingCore:
