@@ -12,7 +12,7 @@ from tfserve.generation import DecodingOptions, Hypothesis, make_search
 from tfserve.generation.batch import DecodeBatch, Joining
 from tfserve.runtime import Runtime
 from tfserve.runtime.cache_graphs import DeviceCacheOps
-from tfserve.runtime.static_cache import StaticCache, StaticPast
+from tfserve.runtime.static_cache import StaticCache, StaticCross, StaticPast
 from tfserve.runtime.static_step import static_decoder
 
 OPTIONS = [
@@ -96,11 +96,11 @@ def test_the_static_cache_gives_the_dynamic_paths_hypotheses(positions: str) -> 
     assert_same(run_waves(static), run_waves(dynamic))
 
 
-def test_no_row_graph_touches_the_self_attention_cache(monkeypatch) -> None:
-    """The self-attention cache is neither concatenated, padded, sliced nor gathered by a
-    run of its own: the row graphs that run (rows joining, members leaving or changing
-    their row count) move the cross K/V only, a steady step is the decoder's one run, and
-    one bucket serves the whole decode, written in place."""
+def test_no_row_graph_runs_on_either_cache(monkeypatch) -> None:
+    """Neither the self-attention cache nor the cross K/V is concatenated, padded, sliced or
+    gathered by a row graph: a step is the decoder's one run, whatever joins, leaves or
+    changes its row count, a join writes its sources' cross K/V into their slots (one run),
+    and one bucket serves the whole decode, written in place."""
     runtime = Runtime(artifacts("rope", "pre"), kv_cache="static")
     storage = runtime.cache_storage
     moved: list[tuple[str, list[int]]] = []
@@ -111,24 +111,33 @@ def test_no_row_graph_touches_the_self_attention_cache(monkeypatch) -> None:
         return row_graph(self, kind, tensors, **small)
 
     monkeypatch.setattr(DeviceCacheOps, "_run", spy)
-    storage.ROWS = 32  # every row of the decode (beams and retired rows included) fits
-    made = storage.buckets_made
-    runs: list[int] = []
-    run_waves(runtime, runs=runs)
-    source_len = 9  # the longest source: 8 tokens and eos
-    assert moved and all(shape[2] <= source_len for _, shape in moved), moved
+    decoder_runs = []
+    run_decoder = runtime.decoder.run_with_iobinding
+    monkeypatch.setattr(runtime.decoder, "run_with_iobinding",
+                        lambda *args: decoder_runs.append(1) or run_decoder(*args))
+    writes = []
+    write_cross = StaticCache._write_cross
+    monkeypatch.setattr(StaticCache, "_write_cross",
+                        lambda self, *args: writes.append(1) or write_cross(self, *args))
+    # every source of the decode (retired ones included) has a slot, every beam a row
+    storage.SOURCES, storage.GROUP = 8, 4
+    made, cross_made = storage.buckets_made, storage.cross_buckets_made
+    steps: list[int] = []
+    run_waves(runtime, runs=steps)
+    assert moved == []
+    assert len(decoder_runs) == len(steps)  # one run a step (besides the samplers' draws)
+    assert len(writes) == 4  # run_waves' four waves, each one cross write
     assert storage.buckets_made == made + 1  # one bucket, its two sets swapped at each step
-    # what runs besides the decoder is the cross K/V's row graphs when the members' layout
-    # changes, as on the dynamic device placement, which also moves the self-attention cache
-    device_runs: list[int] = []
-    run_waves(Runtime(artifacts("rope", "pre"), device_cache=True), runs=device_runs)
-    assert sum(runs) < sum(device_runs) and runs[-4:] == [1, 1, 1, 1], (runs, device_runs)
+    assert storage.cross_buckets_made == cross_made + 1
 
 
-def buffer_addresses(past: object) -> tuple[int, ...]:
-    """Where the buffers of a StaticPast lie (both sets)."""
+def buffer_addresses(batch: DecodeBatch) -> tuple[int, ...]:
+    """Where a batch's buffers lie: the self-attention cache's (both sets), the cross K/V's."""
+    past, cross = batch.past, batch.cross
     assert isinstance(past, StaticPast) and past.buffers is not None
-    return tuple(value.data_ptr() for values in past.buffers.sets for value in values)
+    assert isinstance(cross, StaticCross)
+    return tuple(value.data_ptr() for values in (*past.buffers.sets, cross.buffers.values)
+                 for value in values)
 
 
 def test_rows_that_leave_free_their_slots_for_the_next_ones() -> None:
@@ -136,6 +145,7 @@ def test_rows_that_leave_free_their_slots_for_the_next_ones() -> None:
     batch keeps writing the same buffers, and the next batch takes them from the pool."""
     runtime = Runtime(artifacts("rope", "pre"), kv_cache="static")
     storage = runtime.cache_storage
+    storage.SOURCES = 4  # the most sources at once: two running, two joining
     ids, mask = sources(runtime, [4, 6, 3, 5, 7, 2], seed=4)
     options = DecodingOptions(max_new_tokens=4, min_new_tokens=4).validate(100)
     made = storage.buckets_made
@@ -154,20 +164,20 @@ def test_rows_that_leave_free_their_slots_for_the_next_ones() -> None:
                 batch.join([Joining(searches, wave, cross, mask[wave])])
             if len(batch):
                 finished += [tag for tag, _ in batch.step()]
-                addresses.add(buffer_addresses(batch.past) if len(batch) else None)
+                addresses.add(buffer_addresses(batch) if len(batch) else None)
         assert sorted(finished) == [0, 1, 2, 3, 4, 5]
     assert len(addresses - {None}) == 1  # one pair of buffer sets, at fixed addresses
     assert storage.buckets_made == made + 1
 
 
 def test_a_batch_that_outgrows_its_bucket_moves_to_a_bigger_one() -> None:
-    """Buckets of 2 rows x 4 columns to start with: 3 sources x 4 beams decoding 9 tokens
+    """Buckets of 2 sources x 4 columns to start with: 3 sources x 4 beams decoding 9 tokens
     grow both, once each way at most per size, with the dynamic path's results; a position
     past model.max_target_positions is refused naming it."""
     dynamic = Runtime(artifacts("rope", "pre"))
     static = Runtime(artifacts("rope", "pre"), kv_cache="static")
     storage = static.cache_storage
-    storage.ROWS, storage.LENGTH = 2, 4
+    storage.SOURCES, storage.LENGTH = 2, 4
     ids, mask = sources(static, [5, 3, 7], seed=6)
     options = DecodingOptions(max_new_tokens=9, min_new_tokens=9, num_beams=4).validate(100)
 
@@ -185,7 +195,8 @@ def test_a_batch_that_outgrows_its_bucket_moves_to_a_bigger_one() -> None:
         atol=1e-5,
         rtol=0,
     )
-    # rows 2 -> 4 -> 16 (3 start rows, then 12 beams), columns 4 -> 8 -> 16 (10 positions)
+    # rows 4 (3 sources in 4 slots, a row each) -> 16 (their 4 beams each), columns
+    # 4 -> 8 -> 16 (10 positions)
     assert 3 <= storage.buckets_made - made <= 5
     limit = static.max_target_positions
     one = np.ones((1, 1), np.int64)

@@ -145,7 +145,7 @@ class Runtime:
         if self.static_cache:
             self.cache_storage = StaticCache(*cache_shape, provider.memory, self.device_index,
                                              self._session.get_providers(),
-                                             cfg.max_target_positions)
+                                             cfg.max_target_positions, self.grouped_cross)
         elif self.device_cache:
             self.cache_storage = DeviceCache(*cache_shape, provider.memory, self.device_index,
                                              self._session.get_providers())

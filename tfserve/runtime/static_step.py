@@ -18,13 +18,14 @@ written in place:
   `self_attention_mask` input, which the rewritten graph no longer takes. T5's relative
   positions count a key's position from that mask (a cumulative sum), so they follow too;
 - `present_key_l` / `present_value_l` are the updated buffers [B,H,L,Dh], which the runtime
-  binds to the first B rows of the bucket's other buffer set (`tfserve.runtime.static_cache`:
-  two sets per bucket, each step reading one and writing the other), so nothing is allocated
-  per step.
+  binds to the bucket's other buffer set (`tfserve.runtime.static_cache`: two sets per
+  bucket, each step reading one and writing the other), so nothing is allocated per step.
 
-Shapes are the bucket's, the buffers stay at their addresses, and nothing crosses to the host
-inside the step: what a captured graph (CUDA graphs) needs to replay it. A newcomer's row
-content is never read: at position 0 only the column it writes is valid.
+The runtime runs every step of a bucket at the bucket's shapes (B = R, its rows padded), with
+the cross K/V in fixed buffers too (`cross_write_graph` writes a joining source's rows into
+them), the buffers and the small inputs at fixed addresses, and nothing crossing to the host
+inside the step but the top candidates: what a captured graph (CUDA graphs) needs to replay
+it. A newcomer's row content is never read: at position 0 only the column it writes is valid.
 
 One new token per row (T = 1, what `DecodeBatch` steps); graphs whose self-attention is not
 ONNX Runtime's fused MultiHeadAttention with past inputs (fp16 exports with standard-op
@@ -178,4 +179,45 @@ def static_decoder(
     for value in graph.output:
         if value.name in present_names:
             value.type.tensor_type.shape.dim[2].dim_param = "buffer_length"
+    return model.SerializeToString()
+
+
+CROSS_ROWS = "rows"  # cross_write_graph's row index input, int64 [N,1]
+CROSS_PADS = "pads"  # its time padding of the written rows, int64 [8] (Pad's begin and end)
+
+
+def cross_write_graph(count: int, elem_type: int) -> bytes:
+    """A graph that writes N sources' cross K/V into rows of fixed buffers: for each of the
+    `count` tensors, `out_i` = ScatterND(`buffer_i` [Rc,H,Sc,Dh], `rows` [N,1],
+    Pad(`part_i` [N,H,S,Dh], `pads`) [N,H,Sc,Dh]): the part's rows, right-padded with zeros to
+    the buffer's Sc columns, at buffer rows `rows`. The runtime binds `out_i` to `buffer_i`
+    itself, so the rows are written in place and the buffer keeps its address (ScatterND
+    copies its input to its output only where the two differ, on CPU and CUDA alike: ONNX
+    Runtime may run it in place)."""
+    from onnx import TensorProto, helper
+
+    inputs = [
+        helper.make_tensor_value_info(CROSS_ROWS, TensorProto.INT64, ["sources", 1]),
+        helper.make_tensor_value_info(CROSS_PADS, TensorProto.INT64, [8]),
+    ]
+    outputs, nodes = [], []
+    for i in range(count):
+        buffer_dims = ["buffer_rows", "heads", "buffer_length", "head_dim"]
+        inputs += [
+            helper.make_tensor_value_info(f"buffer_{i}", elem_type, buffer_dims),
+            helper.make_tensor_value_info(
+                f"part_{i}", elem_type, ["sources", "heads", "length", "head_dim"]
+            ),
+        ]
+        outputs.append(helper.make_tensor_value_info(f"out_{i}", elem_type, buffer_dims))
+        nodes += [
+            # [N,H,S,Dh] -> [N,H,Sc,Dh]: zeros after the source's columns
+            helper.make_node("Pad", [f"part_{i}", CROSS_PADS], [f"padded_{i}"], mode="constant"),
+            # [Rc,H,Sc,Dh] with rows `rows` replaced
+            helper.make_node("ScatterND", [f"buffer_{i}", CROSS_ROWS, f"padded_{i}"],
+                             [f"out_{i}"]),
+        ]
+    graph = helper.make_graph(nodes, "static_cross_write", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
     return model.SerializeToString()
