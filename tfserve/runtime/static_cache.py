@@ -427,21 +427,21 @@ class StaticCache(DeviceCache):
             raise ValueError("these cross K/V's slots were given to other sources since")
         encoder_mask = feeds[ENCODER_ATTENTION_MASK]  # [M,S]
         sources = len(static_cross.rows)
-        slots_of = static_cross.buffers
+        cross_buffers = static_cross.buffers
         if not sources or rows % sources or encoder_mask.shape[0] != sources:
             raise ValueError(
                 f"the static KV cache steps rows in groups of one source each: {rows} rows, "
                 f"{sources} cross rows, an encoder_attention_mask of {encoder_mask.shape[0]}"
             )
-        if encoder_mask.shape[1] > slots_of.length:
+        if encoder_mask.shape[1] > cross_buffers.length:
             raise ValueError(f"encoder_attention_mask has {encoder_mask.shape[1]} columns; the "
-                             f"cross K/V have {slots_of.length}")
+                             f"cross K/V have {cross_buffers.length}")
         # row i's source slot, and its rank among that slot's rows: its decoder row is
         # slot x G + rank, which the grouped cross-attention maps to the slot (b // G)
         slot = static_cross.rows[np.arange(rows) // (rows // sources)]  # [n]
         rank = _rank_within(slot)  # [n]
         group = max(int(rank.max()) + 1, self.GROUP, source.group if source else 1)
-        bucket_rows = slots_of.rows * group  # R
+        bucket_rows = cross_buffers.rows * group  # R
         place = slot * group + rank  # [n] the decoder row of each row
         # the step writes column `position` of each row: the bucket must hold it
         need = int(positions.max()) + 1
@@ -455,10 +455,10 @@ class StaticCache(DeviceCache):
         elif past.scratch:  # the batch's own cache stays as it is: write a pair of our own
             target = self._take(source.rows, source.length, group)
         replay = target.replay
-        if replay is None or replay.cross is not slots_of or replay.decoder is not decoder:
+        if replay is None or replay.cross is not cross_buffers or replay.decoder is not decoder:
             names = _StepNames(tuple(past_names), tuple(cross_names), tuple(outputs),
                                tuple(top_outputs))
-            replay = target.replay = _Replay(self, decoder, target, slots_of, names)
+            replay = target.replay = _Replay(self, decoder, target, cross_buffers, names)
         if read is None or read is target.sets[target.current]:  # the bucket's own binding
             binding = replay.bindings[target.current]
         else:  # the first step of a bucket reads the old one's buffers (or padded copies)
@@ -499,7 +499,7 @@ class StaticCache(DeviceCache):
         for name in ROW_INPUTS:
             host = replay.host[name]  # [R,1] or [R]
             host.fill(0)
-            host.reshape(-1)[place] = np.asarray(given[name], np.int64).reshape(-1)
+            host.reshape(-1)[place] = np.asarray(given[name], np.int64).reshape(-1)  # [n]
             replay.inputs[name].update_inplace(host)
             self.counters.to_device += host.nbytes
         mask = replay.host[ENCODER_ATTENTION_MASK]  # [Rc,Sc]
