@@ -1,6 +1,8 @@
 """The static KV cache (tfserve.runtime.static_cache), forced on CPU: the dynamic path's tokens
 and scores with rows joining, leaving and reordering, buffers written in place and reused,
-buckets that grow, and no row graph run on the self-attention cache."""
+buckets that grow, and no row graph run on the self-attention cache or the cross K/V (a
+join writes its sources' cross K/V into their slots). What a captured graph needs of the
+step (fixed shapes and addresses per bucket) is tests/runtime/test_static_replay.py's."""
 
 from __future__ import annotations
 
