@@ -3,6 +3,7 @@ or (--search) what a search's steps cost in runs and host <-> device traffic.
 
     python -m tfserve.bench.step_profile ARTIFACTS [--batch 16] [--threads 2] [--past 16]
     python -m tfserve.bench.step_profile ARTIFACTS --search [--batch 32] [--beams 4]
+    python -m tfserve.bench.step_profile ARTIFACTS --search --sample [--top-p 0.9]
 
 Runs the decoder graph of an artifacts directory on random inputs (`--batch` rows, one new
 token after `--past` cached ones, a source of `--source` tokens), a few warm-up steps and
@@ -19,7 +20,11 @@ here in CPU memory), as the CPU keeps it (`--placement host`) or in the static b
 `Runtime(kv_cache="static")` (`--placement static`: the device placement with buffers per
 bucket written in place, tfserve.runtime.static_cache), and prints the ONNX Runtime
 runs and the bytes copied between host and device memory per decoder step (the runtime's
-`RunCounters`; the encoder run and the rows' joining are not counted).
+`RunCounters`; the encoder run and the rows' joining are not counted). `--sample` samples
+instead (`--samples` per text, `--temperature`, `--top-k`, `--top-p`, seeded): without a
+top-k the graph's candidates can serve, the device placement draws where the logits are
+(tfserve.runtime.sampling_graph: a second run per step) and the host placement takes whole
+rows.
 
 Imports numpy and onnxruntime only.
 """
@@ -100,8 +105,10 @@ def profile(artifacts: Path, batch: int, threads: int, past: int, source: int, s
 
 
 def search_profile(artifacts: Path, batch: int, beams: int, source: int, steps: int,
-                   threads: int, placement: str) -> dict[str, float | int | str]:
-    """Runs and host <-> device bytes per decoder step of one search (module docstring)."""
+                   threads: int, placement: str, sampling: dict[str, float | int] | None = None
+                   ) -> dict[str, float | int | str]:
+    """Runs and host <-> device bytes per decoder step of one search (module docstring);
+    sampling: DecodingOptions' sampling fields (do_sample implied), None: beams."""
     from tfserve.generation import DecodingOptions, make_search
     from tfserve.generation.batch import DecodeBatch
     from tfserve.runtime import Runtime
@@ -118,7 +125,9 @@ def search_profile(artifacts: Path, batch: int, beams: int, source: int, steps: 
     ids[:, -1] = runtime.eos_token_id
     mask = np.ones_like(ids)
     # every row runs all `steps` steps: eos is blocked until the last one
-    options = DecodingOptions(num_beams=beams, max_new_tokens=steps, min_new_tokens=steps)
+    search = ({"num_beams": beams} if sampling is None
+              else {"do_sample": True, "seed": 0, **sampling})
+    options = DecodingOptions(max_new_tokens=steps, min_new_tokens=steps, **search)
     searches = [make_search(options, runtime.eos_token_id, runtime.decoder_start_token_id)
                 for _ in range(batch)]
     decode = DecodeBatch(runtime)
@@ -130,7 +139,8 @@ def search_profile(artifacts: Path, batch: int, beams: int, source: int, steps: 
         done += 1
     seconds = time.perf_counter() - started
     moved = runtime.counters.since(before)
-    return {"model": artifacts.name, "placement": placement, "texts": batch, "beams": beams,
+    return {"model": artifacts.name, "placement": placement, "texts": batch,
+            **({"beams": beams} if sampling is None else {"sampling": sampling}),
             "steps": done, "runs_per_step": round(moved.runs / done, 2),
             "to_device_bytes_per_step": round(moved.to_device / done),
             "to_host_bytes_per_step": round(moved.to_host / done),
@@ -154,19 +164,32 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode with a search and report runs and host <-> device bytes "
                              "per step instead of the node profile")
     parser.add_argument("--beams", type=int, default=1, help="--search: beams (1: greedy)")
+    parser.add_argument("--sample", action="store_true",
+                        help="--search: sample instead of beams (--samples, --temperature, "
+                             "--top-k, --top-p)")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="--sample: samples per text (num_return_sequences)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="--sample: temperature")
+    parser.add_argument("--top-k", type=int, default=0, help="--sample: top_k (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="--sample: top_p")
     parser.add_argument("--placement", choices=("device", "host", "static"), default="device",
                         help="--search: where the KV cache lives between steps (static: "
                              "the device placement's static buffers)")
     args = parser.parse_args(argv)
-    for name in ("batch", "past", "source", "steps", "top", "beams"):
+    for name in ("batch", "past", "source", "steps", "top", "beams", "samples"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
     if args.threads < 0:
         parser.error("--threads must be >= 0")
+    if args.sample and args.beams != 1:
+        parser.error("--sample draws --samples per text: --beams must be 1")
     if args.search:
+        sampling = None if not args.sample else {
+            "num_return_sequences": args.samples, "temperature": args.temperature,
+            "top_k": args.top_k, "top_p": args.top_p}
         try:
             row = search_profile(args.artifacts, args.batch, args.beams, args.source,
-                                 args.steps, args.threads, args.placement)
+                                 args.steps, args.threads, args.placement, sampling)
         except (ValueError, OSError) as exc:
             parser.error(str(exc))
         print(json.dumps(row))

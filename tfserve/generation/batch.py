@@ -6,13 +6,21 @@ per-row `position_ids` and `self_attention_mask` of the decoder interface make p
 row that joins late has holes (mask 0) where the others have history. The searches
 themselves (greedy, beam, sampling) and the backend protocol are in `tfserve.generation`;
 this module only moves rows: it never looks inside the backend's cache tensors.
+
+A step fetches the [R,V] logits only when some member reads whole rows itself. Members
+decide from the backend's top candidates where those serve them (greedy, beam, top-k
+sampling); a sampling member that may draw any token has its draws made where the logits
+were made, where the backend draws on its device (`Search.device_draw`, `SampleDraws`:
+tfserve.runtime.sampling_graph), so that a step of such members moves nothing of vocabulary
+size either. Repetition controls read whole rows: a step with such a member fetches them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -29,6 +37,7 @@ from tfserve.generation import (
     make_search,
     score_rows,
 )
+from tfserve.generation.search import SampleDraws
 
 
 class BatchRunError(RuntimeError):
@@ -275,22 +284,29 @@ class DecodeBatch:
         # after the step (the backend only reads it)
         self_attention_mask = np.concatenate(
             [self.self_attention_mask, np.ones((self.rows, 1), np.int64)], axis=1)
-        # every member deciding from the backend's top candidates: the step leaves the
-        # [R,V] logits where they were made (on a device: nothing of vocabulary size moves)
+        # every member deciding from the backend's top candidates, or drawing where the
+        # logits are: the step leaves the [R,V] logits where they were made (on a device:
+        # nothing of vocabulary size moves)
         _, banned, room = self._banned()  # [n] or None; candidates per row for the searches
-        groups = self._plan(room)
-        from_top = groups is not None
+        drawer = self._drawer()
+        plan = self._plan(room, drawer is not None)
+        from_top = plan is not None
+        groups, drawing = plan if plan is not None else (None, [])
+        draws = _joined_draws(drawing, banned) if drawing else None
         try:
-            out = self.backend.step(
-                self.last_tokens[:, None],  # [R,1]
-                self.position_ids[:, None],  # [R,1]
-                self_attention_mask,
-                encoder_attention_mask,
-                self.past,
-                cross,
-                **({"need_logits": False} if from_top else {}),
-                **({"cache_rows": self.past_rows} if self.past_rows is not None else {}),
-            )
+            with drawer.logits_kept() if draws is not None else nullcontext():
+                out = self.backend.step(
+                    self.last_tokens[:, None],  # [R,1]
+                    self.position_ids[:, None],  # [R,1]
+                    self_attention_mask,
+                    encoder_attention_mask,
+                    self.past,
+                    cross,
+                    **({"need_logits": False} if from_top else {}),
+                    **({"cache_rows": self.past_rows} if self.past_rows is not None else {}),
+                )
+                # [S] each: the drawing members' tokens and log-probabilities, member by member
+                drawn = drawer.draw(draws) if draws is not None else None
         except Exception as exc:  # nothing has changed yet: the batch can be stepped again
             raise BatchRunError(f"decoder run failed: {exc}") from exc
         if from_top and (out.top_ids is None or out.top_log_probs is None):
@@ -311,6 +327,10 @@ class DecodeBatch:
             lse, best = score_rows(logits, banned, beam_k)  # [R], [R,k]
         starts = list(accumulate((m.search.rows for m in self.slots), initial=0))  # [M+1]
         decisions = self._decide_groups(groups, *top) if groups else []
+        # slot position -> its draws' [start, stop) in `drawn`
+        draw_bounds = dict(zip((position for position, _ in drawing),
+                               pairwise(accumulate((len(part.rows) for _, part in drawing),
+                                                   initial=0))))
         # the group members first, group by group: their next rows are their decision's
         ended: set[int] = set()  # slot positions of group members that finished
         going: set[int] = set()  # those that go on
@@ -345,7 +365,11 @@ class DecodeBatch:
                 parents = new_tokens = np.zeros(0, np.int64)
             else:
                 try:
-                    if top is not None:
+                    if position in draw_bounds:
+                        first, stop = draw_bounds[position]
+                        parents, new_tokens = search.advance_drawn(
+                            drawn[0][first:stop], drawn[1][first:stop])  # type: ignore[index]
+                    elif top is not None:
                         parents, new_tokens = search.advance_candidates(
                             top[0][row : row + rows], top[1][row : row + rows])
                     else:
@@ -481,17 +505,23 @@ class DecodeBatch:
             self._bans = (source, banned, room)
         return self._bans
 
-    def _plan(self, room: int) -> dict[tuple, tuple[list[int], list[int], list[Search]]] | None:
+    def _plan(self, room: int, drawing: bool) -> tuple[
+            dict[tuple, tuple[list[int], list[int], list[Search]]],
+            list[tuple[int, SampleDraws]]] | None:
         """None unless every running member can decide this step from the K best candidates
         per row that the backend computes (`Backend.top_candidates`; 0: it computes none),
         of which `room` are left for its own (K = V: every token is a candidate; else room
-        for the needed ones plus the banned tokens and eos, banned before min_new_tokens);
-        then the groups that decide together (`Search.group_key`, with group_decisions):
-        (strategy, key) -> (slot positions, their first rows, their searches)."""
+        for the needed ones plus the banned tokens and eos, banned before min_new_tokens),
+        or, where `drawing` (the backend draws where the logits are), has its whole-row
+        draws made there (`Search.device_draw`). Then: the groups that decide together
+        (`Search.group_key`, with group_decisions), (strategy, key) -> (slot positions,
+        their first rows, their searches); and the drawing members, (slot position, its
+        draws with rows of the batch), in slot order."""
         if not room or not self.use_top_candidates:
             return None
         grouping = self.group_decisions
         groups: dict[tuple, tuple[list[int], list[int], list[Search]]] = {}
+        draws: list[tuple[int, SampleDraws]] = []
         row = 0
         for position, member in enumerate(self.slots):
             search = member.search
@@ -500,7 +530,10 @@ class DecodeBatch:
                 if key is None:
                     needed = search.top_needed()
                     if needed == 0 or needed > room:
-                        return None
+                        part = search.device_draw() if drawing else None
+                        if part is None:
+                            return None
+                        draws.append((position, part._replace(rows=part.rows + row)))
                 else:
                     group = groups.get((type(search), key))
                     if group is None:
@@ -513,7 +546,18 @@ class DecodeBatch:
             needed = searches[0].top_needed()
             if needed == 0 or needed > room:
                 return None
-        return groups
+        return groups, draws
+
+    def _drawer(self) -> Any:
+        """What draws samples where the step's logits are made (`logits_kept`, `draw`: see
+        tfserve.runtime.cache.DeviceCache), None where nothing does (whole rows then come
+        to the host): the backend itself, or its cache placement (a Runtime's), where it
+        says it `draws_on_device`."""
+        backend = self.backend
+        for drawer in (backend, getattr(backend, "cache_storage", None)):
+            if getattr(drawer, "draws_on_device", False):
+                return drawer
+        return None
 
     def _decide_groups(self, groups: dict[tuple, tuple[list[int], list[int], list[Search]]],
                        ids: np.ndarray, log_probs: np.ndarray
@@ -599,6 +643,17 @@ class DecodeBatch:
             if src_len < self.encoder_attention_mask.shape[1]:
                 self.cross = self.backend.slice_time(self.cross, 0, src_len)
                 self.encoder_attention_mask = self.encoder_attention_mask[:, :src_len]
+
+
+def _joined_draws(drawing: list[tuple[int, SampleDraws]], banned: np.ndarray | None
+                  ) -> SampleDraws:
+    """The drawing members' draws as one request [S] (member by member), with the bans
+    of the batch's candidates and whole rows (`banned`)."""
+    parts = [part for _, part in drawing]
+    return SampleDraws(*(np.concatenate([getattr(part, name) for part in parts])
+                         for name in ("rows", "uniforms", "temperature", "top_k", "top_p",
+                                      "block_eos")),
+                       eos_token_id=parts[0].eos_token_id, banned=banned)
 
 
 def _pad_right(mask: np.ndarray, length: int) -> np.ndarray:

@@ -8,7 +8,7 @@ import numpy as np
 
 from tfserve.generation.kernels import filter_logits, log_softmax
 from tfserve.generation.options import DecodingOptions, Hypothesis
-from tfserve.generation.search import Search, register_search
+from tfserve.generation.search import SampleDraws, Search, register_search
 
 
 @register_search("sampling", lambda options: bool(options.do_sample))
@@ -19,6 +19,13 @@ class SamplingSearch(Search):
     the same output whatever else shares the batch. The samples fan out after the prefix;
     repetition controls act on the logits, before temperature and filters (as in
     transformers); a forced eos ends every sample at max_new_tokens.
+
+    A step draws one of three ways, all with the same uniform per sample (so a seed gives
+    the same samples on each): from the candidates (`advance_candidates`, top-k within
+    the backend's top candidates), from whole numpy rows (`advance`), or, where the backend
+    draws where its logits are (a device), from the tokens it drew as `device_draw` asked
+    (`advance_drawn`). The three share the fan-out and the bookkeeping of a drawn token
+    (`_extend`: eos, max_new_tokens, streaming).
     """
 
     def __init__(self, options: DecodingOptions, eos_token_id: int, start_token_id: int) -> None:
@@ -36,7 +43,8 @@ class SamplingSearch(Search):
     def top_needed(self) -> int:
         """Top-k sampling (0 < top_k) draws among the k most likely tokens, so the k best
         per row (eos and banned ids beside them) decide it as the whole row would: the
-        temperature and top-p act on those k alone. Without top-k every token may be drawn."""
+        temperature and top-p act on those k alone. Without top-k every token may be drawn:
+        whole rows, or the backend's draw (`device_draw`)."""
         if self.forcing or self.ending:
             return 1
         return self.needs(self.options.top_k) if self.options.top_k > 0 else 0
@@ -79,24 +87,57 @@ class SamplingSearch(Search):
         log_probs = np.take_along_axis(log_probs, order, axis=1)
         return self._draw(log_probs, ids, lambda parent, column: float(log_probs[parent, column]))
 
+    def device_draw(self) -> SampleDraws | None:
+        """The whole-row draw of `advance` (no repetition controls), made by the backend
+        where the logits are: per sample its parent row, the uniform `_draw` would take
+        next (peeked: the generator moves in `advance_drawn`), and the options."""
+        if self.forcing or self.ending or self.controls is not None:
+            return None
+        parents = self._parents()
+        state = self.rng.bit_generator.state
+        uniforms = self.rng.random(len(parents))  # [S]: one per sample, in sample order
+        self.rng.bit_generator.state = state
+        options, count = self.options, len(parents)
+        return SampleDraws(parents, uniforms, np.full(count, options.temperature, np.float32),
+                           np.full(count, options.top_k, np.int64),
+                           np.full(count, options.top_p, np.float32),
+                           np.full(count, self.generated < options.min_new_tokens),
+                           self.eos)
+
+    def advance_drawn(self, tokens: np.ndarray, log_probs: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        parents = self._fan_out()
+        self.rng.random(len(parents))  # the uniforms the draws took (device_draw's)
+        return self._extend(parents, tokens.tolist(), log_probs.tolist())
+
+    def _parents(self) -> np.ndarray:
+        """The row each sample of this step continues [S]: the single start row for every
+        sample before the fan-out, then each sample its own."""
+        if not self.fanned_out:
+            return np.zeros(self.options.num_return_sequences, np.int64)
+        return np.arange(self.rows, dtype=np.int64)
+
+    def _fan_out(self) -> np.ndarray:
+        """`_parents`, the samples made from the single start row where this is the first
+        draw."""
+        parents = self._parents()
+        if not self.fanned_out:
+            self.samples = [list(self.samples[0]) for _ in parents]
+            self.scores = [self.scores[0]] * len(parents)
+            self.fanned_out = True
+        return parents
+
     def _draw(self, logits: np.ndarray, ids: np.ndarray | None,
               log_prob: Callable[[int, int], float]) -> tuple[np.ndarray, np.ndarray]:
         """One token per sample from `logits` [rows,C] (a whole row of the vocabulary, or
         the candidates `ids` [rows,C] in increasing id order; a log-softmax shift changes
         nothing here) after temperature, top-k and top-p; log_prob(parent, column) is the
-        score the drawn token adds."""
-        if not self.fanned_out:  # fan the single start row out to the samples
-            count = self.options.num_return_sequences
-            parents = np.zeros(count, np.int64)
-            self.samples = [list(self.samples[0]) for _ in range(count)]
-            self.scores = [self.scores[0]] * count
-            self.fanned_out = True
-        else:
-            parents = np.arange(self.rows, dtype=np.int64)
-        scaled = logits[parents] / self.options.temperature  # banned tokens stay -inf
+        score the drawn token adds. tfserve.runtime.sampling_graph makes the same draw on
+        a device."""
+        parents = self._fan_out()
+        scaled = logits[parents] / self.options.temperature  # [S,C]; banned stay -inf
         probs = np.exp(log_softmax(filter_logits(scaled, self.options.top_k, self.options.top_p)))
-        self.generated += 1
-        keep_parents, keep_tokens, keep_samples, keep_scores = [], [], [], []
+        tokens, log_probs = [], []
         for slot, parent in enumerate(parents):
             # inverse-CDF draw: one uniform per row keeps the stream reproducible
             cdf = np.cumsum(probs[slot], dtype=np.float64)
@@ -104,17 +145,28 @@ class SamplingSearch(Search):
                              len(cdf) - 1))
             while probs[slot, column] == 0.0:  # never land on a filtered-out token
                 column -= 1
-            token = column if ids is None else int(ids[parent, column])
-            score = self.scores[slot] + log_prob(int(parent), column)
-            tokens = self.samples[slot]
+            tokens.append(column if ids is None else int(ids[parent, column]))
+            log_probs.append(log_prob(int(parent), column))
+        return self._extend(parents, tokens, log_probs)
+
+    def _extend(self, parents: np.ndarray, tokens: list[int], log_probs: list[float]
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """Each sample's drawn token and the log-probability it adds (parents [S]: the row
+        it continues): a sample that draws eos, or reaches max_new_tokens, finishes; ->
+        the parents and tokens of those that go on."""
+        self.generated += 1
+        keep_parents, keep_tokens, keep_samples, keep_scores = [], [], [], []
+        for slot, parent in enumerate(parents):
+            token, score = tokens[slot], self.scores[slot] + log_probs[slot]
+            sample = self.samples[slot]
             if token == self.eos:
-                self.finished.append(Hypothesis(list(tokens), score))
+                self.finished.append(Hypothesis(list(sample), score))
             elif self.generated >= self.options.max_new_tokens:
-                self.finished.append(Hypothesis(tokens + [token], score, finished=False))
+                self.finished.append(Hypothesis(sample + [token], score, finished=False))
             else:
                 keep_parents.append(parent)
                 keep_tokens.append(token)
-                keep_samples.append(tokens + [token])
+                keep_samples.append(sample + [token])
                 keep_scores.append(score)
         self.samples, self.scores = keep_samples, keep_scores
         self.streamed = keep_tokens if self.options.num_return_sequences == 1 else []

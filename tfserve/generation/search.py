@@ -28,6 +28,23 @@ class GroupDecision(NamedTuple):
     detail: Any  # the strategy's own: what take_decision reads
 
 
+class SampleDraws(NamedTuple):
+    """Tokens to draw from whole rows of a step's logits where the backend made them (on a
+    device: tfserve.runtime.sampling_graph), as `SamplingSearch` draws from numpy rows: one
+    token per entry, each with its own row, uniform and options. A search's `device_draw`
+    gives its part (rows among its own, no bans); DecodeBatch joins the parts (rows of the
+    batch, the backend's bans)."""
+
+    rows: np.ndarray  # [S] int64: the row each draw reads
+    uniforms: np.ndarray  # [S] float64 in [0,1): each draw's uniform (inverse-CDF draw)
+    temperature: np.ndarray  # [S] float32
+    top_k: np.ndarray  # [S] int64 (0: off)
+    top_p: np.ndarray  # [S] float32 (1: off)
+    block_eos: np.ndarray  # [S] bool: eos may not be drawn (min_new_tokens not reached)
+    eos_token_id: int
+    banned: np.ndarray | None = None  # [n] int64: ids no draw lands on (None: none)
+
+
 class Search:
     """The per-sentence search state; subclasses decide tokens from log-probabilities.
 
@@ -139,6 +156,20 @@ class Search:
                            ) -> tuple[np.ndarray, np.ndarray]:
         """`advance` from each row's best tokens only: ids [rows,K] and their
         log-probabilities [rows,K] (banned tokens already -inf)."""
+        raise NotImplementedError
+
+    def device_draw(self) -> SampleDraws | None:
+        """For a search whose step needs whole rows (top_needed 0, or more candidates than
+        the backend gives): the draws the backend may make for it where the logits are,
+        rows among its own (`SampleDraws`), so that no row comes to the host; None where it
+        reads the rows itself (the default). Changes nothing: `advance_drawn` takes the
+        drawn tokens, after the step."""
+        return None
+
+    def advance_drawn(self, tokens: np.ndarray, log_probs: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """`advance` from the tokens [S] drawn as this step's `device_draw` asked, with their
+        log-probabilities [S] (logit - logsumexp of the row)."""
         raise NotImplementedError
 
     def group_key(self) -> Hashable | None:

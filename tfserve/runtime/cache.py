@@ -10,7 +10,9 @@ are bound as the next step's inputs, and a step moves only token ids, masks and 
 candidates between host and device; the [B,T,V] logits only when the step is asked for them,
 the encoder's hidden states never (Encode reads them through `Runtime.hidden_states`). Row
 operations (beam reorder, rows joining or leaving) run on the device too, as small ONNX
-graphs (`tfserve.runtime.cache_graphs`).
+graphs (`tfserve.runtime.cache_graphs`). Sampling rows that need whole rows of the logits
+draw there as well (`draws_on_device`): steps run inside `logits_kept()` keep their logits
+on the device, and `draw` runs `tfserve.runtime.sampling_graph` on them.
 
 Both count their ONNX Runtime runs and the bytes they move between host and device memory
 (`RunCounters`), which `python -m tfserve.bench.step_profile --search` reports per step.
@@ -21,7 +23,8 @@ Both count their ONNX Runtime runs and the bytes they move between host and devi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,7 +32,9 @@ import numpy as np
 import onnxruntime as ort
 
 from tfserve.generation import StepOutput, narrow_first, numpy_pool
+from tfserve.generation.search import SampleDraws
 from tfserve.runtime.cache_graphs import DeviceCacheOps
+from tfserve.runtime.sampling_graph import DeviceSampler
 
 POOL_MIN_BYTES = 4 << 20  # cache row operations below this total size run on one thread
 
@@ -56,6 +61,11 @@ class RunCounters:
 class CacheStorage(ABC):
     """The runs of the two graphs and the `generation.Backend` cache row operations, for
     one placement of the cache. A cache is a list of 2L tensors [B,H,P,Dh]."""
+
+    # whether `logits_kept` and `draw` make a step's samples where its logits are, so that
+    # no row of them comes to the host (DecodeBatch asks): the device placement's. On the
+    # host there is no boundary to spare: the searches draw from the numpy rows
+    draws_on_device = False
 
     def __init__(self, tensors: int, heads: int, head_dim: int, dtype: type[np.floating]
                  ) -> None:
@@ -220,11 +230,18 @@ class DeviceCache(CacheStorage):
     """OrtValues in the memory of device `memory` (an OrtValue device name: 'cuda', or
     'cpu' where the device path is tested without a GPU) number `index`."""
 
+    draws_on_device = True
+
     def __init__(self, tensors: int, heads: int, head_dim: int, dtype: type[np.floating],
                  memory: str, index: int, providers: list[Any]) -> None:
         super().__init__(tensors, heads, head_dim, dtype)
         self.memory, self.index = memory, index
         self.ops = DeviceCacheOps(tensors, dtype, memory, index, providers, self.counters)
+        self.sampler = DeviceSampler(memory, index, providers, dtype, self.counters)
+        # inside logits_kept(): a step that does not fetch its logits binds them to the
+        # device, and the last such step's [B,T,V] OrtValue waits here for `draw`
+        self._keep_logits = False
+        self.step_logits: ort.OrtValue | None = None
         # one IO binding per session, rebound every run: inputs replace their previous
         # binding by name; outputs are cleared and bound again (whether the logits are
         # fetched changes from step to step)
@@ -236,6 +253,25 @@ class DeviceCache(CacheStorage):
             binding = self._bindings[id(session)] = session.io_binding()
         binding.clear_binding_outputs()
         return binding
+
+    @contextmanager
+    def logits_kept(self) -> Iterator[None]:
+        """Steps run inside keep the logits they do not fetch on the device, for `draw`;
+        they are let go on the way out."""
+        self._keep_logits = True
+        try:
+            yield
+        finally:
+            self._keep_logits = False
+            self.step_logits = None
+
+    def draw(self, draws: SampleDraws) -> tuple[np.ndarray, np.ndarray]:
+        """Draws from the rows of the last step's logits, on the device
+        (`tfserve.runtime.sampling_graph`): token ids [S] int64, log-probabilities [S]."""
+        if self.step_logits is None:
+            raise RuntimeError("no step's logits are kept on the device: draw inside "
+                               "logits_kept(), after a step that did not fetch them")
+        return self.sampler.draw(self.step_logits, draws)
 
     def _bind_host_inputs(self, binding: ort.IOBinding, feeds: dict[str, np.ndarray]) -> None:
         for name, value in feeds.items():
@@ -285,8 +321,11 @@ class DeviceCache(CacheStorage):
         """The step's one run on its bound inputs: the logits bound to the host only when
         asked for, the present K/V as `bind_present` binds them (outputs[1:]), the top
         candidates to the host. (logits or None, the present K/V, the top candidates)."""
+        kept = self._keep_logits and not need_logits
         if need_logits:  # else the logits stay unbound: made on the device, never copied
             binding.bind_output(outputs[0], "cpu")
+        elif kept:  # or bound there, for the step's draws (logits_kept)
+            binding.bind_output(outputs[0], self.memory, self.index)
         bind_present(outputs[1:])
         for name in top_outputs:
             binding.bind_output(name, "cpu")
@@ -294,8 +333,9 @@ class DeviceCache(CacheStorage):
         decoder.run_with_iobinding(binding)
         values = binding.get_outputs()
         logits = self._fetch(values[0]).astype(np.float32, copy=False) if need_logits else None
+        self.step_logits = values[0] if kept else None
         cache_end = len(values) - len(top_outputs)
-        return (logits, list(values[int(need_logits) : cache_end]),
+        return (logits, list(values[int(need_logits or kept) : cache_end]),
                 [self._fetch(value) for value in values[cache_end:]])
 
     def _device_value(self, value: Any) -> ort.OrtValue:

@@ -1,0 +1,290 @@
+"""Sampling without top-k drawn on the device (`tfserve.runtime.sampling_graph`), against the
+host's draw from whole logits rows (`SamplingSearch.advance`): with the same seed, the same
+tokens and, to float32 rounding, the same scores; and no logits row crosses to the host.
+
+The device placement runs here on CPU OrtValues (`Runtime(..., device_cache=True)`), as the
+runtime tests check it without a GPU."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from fake_backend import EOS, PAD
+from schedules import Request, run
+from test_sampling_candidates import same_events
+
+from tests.exported import artifacts
+from tfserve.bench.step_profile import search_profile
+from tfserve.generation import DecodingOptions, Hypothesis, make_search, score_rows
+from tfserve.generation.batch import BatchRunError, DecodeBatch, generate
+from tfserve.generation.sampling import SamplingSearch
+from tfserve.generation.search import SampleDraws
+from tfserve.runtime import Runtime
+from tfserve.runtime.sampling_graph import DeviceSampler
+
+BANNED = np.array([PAD], np.int64)
+
+
+def sampling(**fields: Any) -> DecodingOptions:
+    return DecodingOptions(do_sample=True, **fields).validate(100)
+
+
+def step_counter(runtime: Runtime) -> list[bool]:
+    """need_logits of each of the runtime's steps from now on."""
+    asked: list[bool] = []
+    step = runtime.step
+    runtime.step = lambda *args, **kwargs: (  # type: ignore[method-assign]
+        asked.append(kwargs.get("need_logits", True)) or step(*args, **kwargs))
+    return asked
+
+
+def sources(runtime: Runtime, lengths: list[int], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(3, runtime.vocab_size, size=n).tolist() + [runtime.eos_token_id]
+            for n in lengths]
+    return runtime.tokenizer.pad_batch(rows)
+
+
+def same_hypotheses(got: list[list[Hypothesis]], want: list[list[Hypothesis]]) -> None:
+    assert [[h.token_ids for h in r] for r in got] == [[h.token_ids for h in r] for r in want]
+    assert [[h.finished for h in r] for r in got] == [[h.finished for h in r] for r in want]
+    np.testing.assert_allclose([h.score for r in got for h in r],
+                               [h.score for r in want for h in r], rtol=0, atol=1e-5)
+
+
+# -- the draw graph against the search's own draw, on random rows ------------------------------
+
+
+@pytest.mark.parametrize("logits_dtype", [np.float32, np.float16])
+def test_the_device_draw_is_the_searchs_whole_row_draw(logits_dtype: type) -> None:
+    """Searches with every kind of option (temperature, top-k narrower and wider than the
+    row, top-p, eos blocked or not, samples fanning out) step over random rows with ties:
+    drawing through the graph gives each the tokens, samples and scores of its own draw."""
+    rng = np.random.default_rng(0)
+    vocab, steps = 300, 6
+    sampler = DeviceSampler("cpu", 0, ["CPUExecutionProvider"], np.float32)
+    for case in range(24):
+        options = sampling(seed=case, max_new_tokens=steps, min_new_tokens=int(rng.integers(4)),
+                           temperature=float(rng.choice([1.0, 0.6, 1.7])),
+                           top_k=int(rng.choice([0, 0, 5, 120, 400])),
+                           top_p=float(rng.choice([1.0, 1.0, 0.9, 0.3])),
+                           num_return_sequences=int(rng.integers(1, 4)))
+        host, device = (make_search(options, EOS, PAD) for _ in range(2))
+        while not host.done:
+            # [rows,1,V] as the decoder gives them; a run of equal logits makes ties
+            logits = (rng.standard_normal((host.rows, 1, vocab)) * 3).astype(logits_dtype)
+            logits[:, :, 10:20] = logits[:, :, 10:11]
+            rows = logits[:, -1, :].astype(np.float32)  # [rows,V] what the host reads
+            lse, _ = score_rows(rows, BANNED, 0)  # bans pad, as the batch does
+            host_next = host.advance(rows, lse)
+            draws = device.device_draw()
+            assert draws is not None
+            tokens, log_probs = sampler.draw(ort.OrtValue.ortvalue_from_numpy(logits),
+                                             draws._replace(banned=BANNED))
+            device_next = device.advance_drawn(tokens, log_probs)
+            for got, want in zip(device_next, host_next):
+                np.testing.assert_array_equal(got, want)
+            assert device.samples == host.samples and device.streamed == host.streamed
+            np.testing.assert_allclose(device.scores, host.scores, rtol=0, atol=1e-5)
+            device.rows = host.rows = len(host_next[0])
+        assert device.done
+        assert [(h.token_ids, h.finished) for h in device.results()] == \
+               [(h.token_ids, h.finished) for h in host.results()]
+
+
+def test_device_draw_peeks_the_generator_and_advance_drawn_moves_it() -> None:
+    """The uniforms a step's draws take come from the search's generator in the host's
+    order, one per sample; asking twice (a failed run asked again) takes none."""
+    search = make_search(sampling(seed=9, num_return_sequences=3), EOS, PAD)
+    assert isinstance(search, SamplingSearch)
+    first = search.device_draw()
+    assert first is not None
+    np.testing.assert_array_equal(search.device_draw().uniforms, first.uniforms)
+    np.testing.assert_array_equal(first.uniforms, np.random.default_rng(9).random(3))
+    np.testing.assert_array_equal(first.rows, [0, 0, 0])  # the fan-out: one row, 3 samples
+    search.advance_drawn(np.array([5, 6, 7]), np.full(3, -1.0, np.float32))
+    search.rows = 3
+    second = search.device_draw()
+    np.testing.assert_array_equal(second.rows, [0, 1, 2])
+    np.testing.assert_array_equal(second.uniforms, np.random.default_rng(9).random(6)[3:])
+
+
+def test_searches_that_read_rows_themselves_have_no_device_draw() -> None:
+    controlled = make_search(sampling(seed=1, repetition_penalty=1.3), EOS, PAD)
+    prefixed = make_search(sampling(seed=1, prefix_token_ids=(5,)), EOS, PAD)
+    greedy = make_search(DecodingOptions().validate(100), EOS, PAD)
+    assert controlled.device_draw() is None  # repetition controls act on whole rows
+    assert prefixed.device_draw() is None  # a forced token: no draw
+    assert greedy.device_draw() is None
+
+
+# -- a real export, the device placement on CPU ------------------------------------------------
+
+
+@pytest.mark.parametrize("options", [
+    sampling(seed=3, max_new_tokens=12),
+    sampling(seed=4, max_new_tokens=12, temperature=0.6),
+    sampling(seed=5, max_new_tokens=12, top_p=0.8),
+    sampling(seed=6, max_new_tokens=12, top_p=0.6, temperature=1.5, num_return_sequences=3),
+    sampling(seed=7, max_new_tokens=12, top_k=50, top_p=0.95),  # top_k wider than the room
+    sampling(seed=8, max_new_tokens=10, min_new_tokens=6, num_return_sequences=2),
+], ids=["plain", "temperature", "top-p", "top-p-samples", "wide-top-k", "min-new-tokens"])
+def test_device_draws_equal_the_host_whole_rows_with_no_logits_fetched(
+        options: DecodingOptions) -> None:
+    """Each step of the device placement is the decoder's run and the draw's, and brings
+    back the graph's top candidates and the draws, nothing of vocabulary size; the samples
+    and scores are the host placement's, which takes whole rows."""
+    model = artifacts("sinusoidal", "pre", favour_specials=True)  # bans and eos matter
+    host, device = Runtime(model), Runtime(model, device_cache=True)
+    assert device.cache_storage.draws_on_device and not host.cache_storage.draws_on_device
+    ids, mask = sources(host, [5, 3, 8, 4], seed=1)
+    host_asked = step_counter(host)
+    want = generate(host, ids, mask, options)
+    assert host_asked and all(host_asked)  # the host placement: whole rows every step
+    device_asked = step_counter(device)
+    batch = DecodeBatch(device)
+    searches = [make_search(options, device.eos_token_id, device.decoder_start_token_id)
+                for _ in range(len(ids))]
+    batch.add(searches, list(range(len(ids))), device.encode(ids, mask)[1], mask)
+    got: list[list[Hypothesis]] = [[] for _ in searches]
+    runs = []
+    while len(batch):
+        rows = batch.rows
+        draws = sum(search.rows if search.fanned_out else options.num_return_sequences
+                    for search in (member.search for member in batch.members))
+        before = device.counters.snapshot()
+        for tag, search in batch.step():
+            got[tag] = search.results()
+        moved = device.counters.since(before)
+        runs.append(moved.runs)
+        # back: each row's K candidates (int64 id, float32 log-probability), each draw's
+        # token (int64) and log-probability (float32); never the [R,V] logits
+        assert moved.to_host == rows * device.top_candidates * 12 + draws * 12
+        assert moved.to_host < rows * device.vocab_size * 4 + draws * 12
+    assert device_asked and not any(device_asked)
+    # the decoder, then the draws (and, where rows fan out or leave, row operations)
+    assert min(runs) == 2, runs
+    same_hypotheses(got, want)
+
+
+def sampling_schedule(seed: int) -> list[Request]:
+    """Searches joining a batch at random steps, some cancelled: most sample without a
+    top-k the candidates serve (drawn on the device), beside greedy, beam and top-k
+    sampling searches that decide from the candidates."""
+    rng = random.Random(seed)
+    requests = []
+    for index in range(rng.randint(6, 10)):
+        max_new = rng.randint(1, 12)
+        kind = rng.choice(["draw", "draw", "draw", "top-k", "greedy", "beam"])
+        fields: dict[str, Any] = dict(max_new_tokens=max_new,
+                                      min_new_tokens=rng.randint(0, min(max_new, 4)))
+        if kind == "draw":
+            fields.update(do_sample=True, seed=seed * 100 + index,
+                          top_k=rng.choice([0, 0, 60]), top_p=rng.choice([1.0, 0.9, 0.5]),
+                          temperature=rng.choice([1.0, 0.7, 1.6]),
+                          num_return_sequences=rng.randint(1, 3))
+        elif kind == "top-k":
+            fields.update(do_sample=True, seed=seed * 100 + index, top_k=rng.randint(2, 8))
+        elif kind == "beam":
+            fields.update(num_beams=rng.randint(2, 3))
+        options = DecodingOptions(**fields).validate(63)
+        source = tuple(rng.randint(3, 110) for _ in range(rng.randint(1, 6))) + (EOS,)
+        join = rng.randint(0, 8)
+        cancel = join + rng.randint(0, 5) if rng.random() < 0.2 else None
+        requests.append(Request(join, source, options, cancel))
+    return requests
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_running_batch_draws_on_the_device_as_the_host_draws(seed: int) -> None:
+    """Rows joining mid-decode and cancelled between steps, every strategy in one batch:
+    the device placement (draws on the device, no step fetching logits) gives the events of
+    the host placement (whole rows) in the same order."""
+    model = artifacts("rope", "pre")
+    assert (EOS, PAD) == (Runtime(model).eos_token_id, Runtime(model).pad_token_id)
+    requests = sampling_schedule(seed)
+    host = Runtime(model)
+    want = run(requests, host)
+    device = Runtime(model, device_cache=True)
+    asked = step_counter(device)
+    got = run(requests, device)
+    same_events(got, want)
+    assert asked and not any(asked)
+
+
+def test_repetition_controls_keep_whole_rows_for_the_step() -> None:
+    """A search with repetition controls reads whole rows: its steps fetch the logits, and
+    the sampling searches beside it draw from them on the host, as before."""
+    model = artifacts("rope", "pre")
+    device = Runtime(model, device_cache=True)
+    requests = [Request(0, (5, 6, 7, EOS), sampling(seed=1, max_new_tokens=8), None),
+                Request(0, (8, 9, EOS), sampling(seed=2, max_new_tokens=8,
+                                                 repetition_penalty=1.4), None)]
+    asked = step_counter(device)
+    got = run(requests, device)
+    same_events(got, run(requests, Runtime(model)))
+    assert asked and all(asked)
+
+
+def test_a_failed_step_leaves_the_draws_to_be_made_again() -> None:
+    """A step whose run fails changes no search (the uniforms were only peeked): stepped
+    again, the batch gives what it gives without the failure."""
+    model = artifacts("rope", "pre")
+    options = sampling(seed=12, max_new_tokens=6, top_p=0.9, num_return_sequences=2)
+    ids, mask = sources(Runtime(model), [4, 6], seed=3)
+    want = generate(Runtime(model), ids, mask, options)
+    device = Runtime(model, device_cache=True)
+    batch = DecodeBatch(device)
+    searches = [make_search(options, device.eos_token_id, device.decoder_start_token_id)
+                for _ in range(2)]
+    batch.add(searches, [0, 1], device.encode(ids, mask)[1], mask)
+    batch.step()
+    draw = device.cache_storage.draw
+    device.cache_storage.draw = lambda draws: 1 / 0  # type: ignore[method-assign]
+    with pytest.raises(BatchRunError):
+        batch.step()
+    device.cache_storage.draw = draw  # type: ignore[method-assign]
+    got: list[list[Hypothesis]] = [[], []]
+    while len(batch):
+        for tag, search in batch.step():
+            got[tag] = search.results()
+    same_hypotheses(got, want)
+
+
+def test_step_profile_reports_the_sampling_steps_bytes() -> None:
+    model = artifacts("rope", "pre")
+    row = search_profile(model, batch=4, beams=1, source=5, steps=3, threads=1,
+                         placement="device", sampling={"top_p": 0.9, "temperature": 0.8})
+    runtime = Runtime(model)
+    assert row["runs_per_step"] == 2  # the decoder and the draws
+    # the top candidates and the draws: 4 x 34 x 12 + 4 x 12 bytes, no logits
+    assert row["to_host_bytes_per_step"] == 4 * runtime.top_candidates * 12 + 4 * 12
+
+
+def test_the_draws_of_several_searches_join_in_slot_order() -> None:
+    """DecodeBatch hands the backend one SampleDraws, member by member, rows of the batch."""
+    model = artifacts("rope", "pre")
+    device = Runtime(model, device_cache=True)
+    seen: list[SampleDraws] = []
+    draw = device.cache_storage.draw
+    device.cache_storage.draw = lambda draws: (  # type: ignore[method-assign]
+        seen.append(draws) or draw(draws))
+    ids, mask = sources(device, [3, 4, 5], seed=4)
+    options = [sampling(seed=1, max_new_tokens=3, min_new_tokens=3, num_return_sequences=2),
+               DecodingOptions(max_new_tokens=3, min_new_tokens=3).validate(100),
+               sampling(seed=2, max_new_tokens=3, min_new_tokens=1, temperature=0.5)]
+    batch = DecodeBatch(device)
+    batch.add([make_search(o, device.eos_token_id, device.decoder_start_token_id)
+               for o in options], [0, 1, 2], device.encode(ids, mask)[1], mask)
+    batch.step()
+    batch.step()
+    first, second = seen
+    np.testing.assert_array_equal(first.rows, [0, 0, 2])  # two samples of row 0; row 2
+    np.testing.assert_array_equal(second.rows, [0, 1, 3])  # rows 0-1 the samples, 2 greedy
+    np.testing.assert_array_equal(second.temperature, np.float32([1.0, 1.0, 0.5]))
+    np.testing.assert_array_equal(second.block_eos, [True, True, False])
+    np.testing.assert_array_equal(second.banned, [PAD])
