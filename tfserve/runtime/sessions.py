@@ -10,6 +10,7 @@ decoder step is refused.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from tfserve.generation import StepOutput
 from tfserve.runtime.cache import CacheStorage, DeviceCache, HostCache, RunCounters
 from tfserve.runtime.packed_weights import constant_weights
 from tfserve.runtime.providers import PROVIDERS, ProviderError, make_session, parse_device
-from tfserve.runtime.shared_weights import shared_initializers
+from tfserve.runtime.shared_weights import SharedInitializers, shared_initializers
 from tfserve.runtime.static_cache import StaticCache
 from tfserve.runtime.static_step import SELF_ATTENTION_MASK, static_decoder
 from tfserve.runtime.step_graph import (
@@ -89,8 +90,10 @@ class Runtime:
         # a tensor both graphs name at the same bytes (the shared embedding) is mapped once and
         # that one buffer is given to both sessions; a device's sessions copy their
         # initializers to it, so there is nothing to share on the host
-        shared = (shared_initializers(graph_files)
-                  if PROVIDERS[self.device_kind].memory == "cpu" else [{} for _ in graph_files])
+        mapped = (shared_initializers(graph_files)
+                  if PROVIDERS[self.device_kind].memory == "cpu"
+                  else SharedInitializers([{} for _ in graph_files]))
+        shared = mapped.per_graph
         # graph -> initializer name -> OrtValue; they must outlive the sessions
         self.shared_weights: dict[str, dict[str, ort.OrtValue]] = dict(
             zip(("encoder", "decoder"), shared))
@@ -115,9 +118,14 @@ class Runtime:
                                  and loads_rewritten_graphs())
         cpu = self.device_kind == "cpu"
         self.pack_weights = cpu if pack_weights is None else pack_weights and cpu
+        # the decoder first, so that pre-packing its projection comes before the encoder's
+        # weights add to the peak; the tied table's pages leave the process as packing reads
+        # them (the projection reads its packed copy, the embedding lookups a row per token:
+        # tfserve.runtime.shared_weights)
+        with mapped.dropping_pages() if self.pack_weights else nullcontext():
+            self.decoder = None if self.encoder_only else _load_graph(
+                graph_files[1], session_args, shared[1], self._decoder_bytes(graph_files[1]))
         self.encoder = _load_graph(graph_files[0], session_args, shared[0])
-        self.decoder = None if self.encoder_only else _load_graph(
-            graph_files[1], session_args, shared[1], self._decoder_bytes(graph_files[1]))
         # the session that tells the providers and threads (the decoder's, where there is one)
         self._session = self.decoder or self.encoder
         self.float_dtype = np.float16 if self.manifest.dtype == "fp16" else np.float32

@@ -9,6 +9,18 @@ once (a read-only numpy memmap: file-backed pages, loaded as they are read) and 
 OrtValue over them is handed to every session that names them
 (`SessionOptions.add_initializer`), so the process holds one copy.
 
+Where ONNX Runtime pre-packs the tied table for the output projection (the CPU default,
+`tfserve.runtime.packed_weights`), packing reads every page of the mapping, and the packed
+copy is what the projection reads from then on; the mapping is only read by the embedding
+lookups, a row per token. `SharedInitializers.drop_resident_pages` then lets the pages go
+from the process (`madvise(MADV_DONTNEED)` on the read-only file mapping: the file stays in
+the page cache, a row read later faults back in), so the process holds the packed copy and
+the rows it looks up, not the table twice. While the session packs, `dropping_pages` does
+the same every few milliseconds from a thread of its own (ONNX Runtime releases the GIL while
+it builds a session), so the pages packing has read leave as it goes and the load's peak is
+the packed copy and a few milliseconds' worth of pages, not the table twice. Dropping a page
+never changes what is read: only where from.
+
 Older exports, where each graph holds its own copy, share nothing and load as before.
 Reading the graph files takes the minimal protobuf reader of `tfserve.artifacts.manifest` (the
 serving
@@ -18,8 +30,10 @@ path has no `onnx` package, and ONNX Runtime does not show where an initializer 
 from __future__ import annotations
 
 import mmap
-from collections.abc import Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +51,9 @@ from tfserve.artifacts.manifest import (
 NUMPY_TYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 6: np.int32, 7: np.int64,
                10: np.float16, 11: np.float64}
 ALIGNMENT = 64  # an offset the kernels' vector loads can take as a tensor's start
+# how often `dropping_pages` lets the pages read so far go: packing reads a few MB in that
+# time, and a madvise over pages no longer present costs microseconds
+DROP_PERIOD_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -85,7 +102,59 @@ def _external_tensor(data: mmap.mmap, start: int, end: int) -> ExternalTensor | 
     return ExternalTensor(name, entries["location"], offset, length, data_type, tuple(dims))
 
 
-def shared_initializers(graphs: Sequence[Path]) -> list[dict[str, ort.OrtValue]]:
+@dataclass
+class SharedInitializers:
+    """What `shared_initializers` maps: per graph file, name -> OrtValue (the same OrtValue
+    for every graph naming the same bytes), and the file mappings under them."""
+
+    per_graph: list[dict[str, ort.OrtValue]]
+    mappings: list[np.memmap] = field(default_factory=list)
+
+    def drop_resident_pages(self) -> None:
+        """Let the pages read so far go from the process's resident memory (they are read
+        again from the file, through the page cache, when next touched)."""
+        self._advise(mmap.MADV_DONTNEED)
+
+    def read_in_rows(self) -> None:
+        """From now on the mappings are read a row at a time: no read-ahead around a lookup,
+        and no huge page of the file mapped for one row."""
+        self._advise(getattr(mmap, "MADV_NOHUGEPAGE", None))
+        self._advise(getattr(mmap, "MADV_RANDOM", None))
+
+    def _advise(self, advice: int | None) -> None:
+        if advice is None:  # not on Linux
+            return
+        for array in self.mappings:
+            handle = getattr(array, "_mmap", None)  # numpy's mmap.mmap under the memmap
+            if handle is not None and hasattr(handle, "madvise"):
+                handle.madvise(advice)
+
+    @contextmanager
+    def dropping_pages(self, period_s: float = DROP_PERIOD_S) -> Iterator[None]:
+        """drop_resident_pages every `period_s` seconds while the block runs (a session
+        being built packs the tables), and once more at its end; then read_in_rows."""
+        if not self.mappings:
+            yield
+            return
+        self._advise(getattr(mmap, "MADV_SEQUENTIAL", None))  # packing reads them through
+        done = threading.Event()
+
+        def drop() -> None:
+            while not done.wait(period_s):
+                self.drop_resident_pages()
+
+        dropper = threading.Thread(target=drop, name="tfserve-drop-pages", daemon=True)
+        dropper.start()
+        try:
+            yield
+        finally:
+            done.set()
+            dropper.join()
+            self.drop_resident_pages()
+            self.read_in_rows()
+
+
+def shared_initializers(graphs: Sequence[Path]) -> SharedInitializers:
     """For each graph file, the OrtValues of its initializers that another of `graphs` names
     at the same bytes (name -> value; the same OrtValue object for every graph naming them).
 
@@ -98,18 +167,20 @@ def shared_initializers(graphs: Sequence[Path]) -> list[dict[str, ort.OrtValue]]
     for number, (path, tensors) in enumerate(zip(graphs, declared)):
         for tensor in tensors:
             holders.setdefault(_key(path, tensor), set()).add(number)
-    values: dict[tuple[Path, int, int], ort.OrtValue | None] = {}
-    shared: list[dict[str, ort.OrtValue]] = [{} for _ in graphs]
+    values: dict[tuple[Path, int, int], tuple[ort.OrtValue, np.memmap] | None] = {}
+    shared = SharedInitializers([{} for _ in graphs])
     for number, (path, tensors) in enumerate(zip(graphs, declared)):
         for tensor in tensors:
             key = _key(path, tensor)
             if len(holders[key]) < 2:
                 continue
             if key not in values:
-                values[key] = _mapped(key[0], tensor)
+                values[key] = mapped = _mapped(key[0], tensor)
+                if mapped is not None:
+                    shared.mappings.append(mapped[1])
             value = values[key]
             if value is not None:
-                shared[number][tensor.name] = value
+                shared.per_graph[number][tensor.name] = value[0]
     return shared
 
 
@@ -118,9 +189,9 @@ def _key(graph: Path, tensor: ExternalTensor) -> tuple[Path, int, int]:
     return (graph.parent / tensor.location).resolve(), tensor.offset, tensor.length
 
 
-def _mapped(file: Path, tensor: ExternalTensor) -> ort.OrtValue | None:
-    """An OrtValue over the tensor's bytes in `file`, mapped read-only (None when they do
-    not make the tensor the graph declares)."""
+def _mapped(file: Path, tensor: ExternalTensor) -> tuple[ort.OrtValue, np.memmap] | None:
+    """An OrtValue over the tensor's bytes in `file`, mapped read-only, and the mapping (None
+    when they do not make the tensor the graph declares)."""
     dtype = NUMPY_TYPES.get(tensor.data_type)
     if dtype is None or tensor.offset % ALIGNMENT:
         return None
@@ -135,5 +206,5 @@ def _mapped(file: Path, tensor: ExternalTensor) -> ort.OrtValue | None:
     except (OSError, ValueError):
         return None
     # the OrtValue keeps the memmap alive and reads its pages where they are (no copy)
-    return ort.OrtValue.ortvalue_from_numpy(array)
+    return ort.OrtValue.ortvalue_from_numpy(array), array
 
