@@ -28,8 +28,9 @@ bucket). Row i of the batch runs as decoder row slot x G + (its rank among its s
 rows), which the grouped cross-attention maps to its source's cross row (decoder row b
 reads cross row b // G); the other rows are padding: token 0 at position 0 reading buffer
 row 0 and its column 0, written to a buffer row no row continues, with their results
-ignored (each row's computation is its own: padding changes no real row's result). A
-source slot no row uses has a mask of one valid column. Each bucket's small inputs
+ignored: no op of the step mixes rows, so padding changes no real row's result beyond the
+rounding of kernels batched over more rows. A source slot no row uses has a mask of one
+valid column (no softmax over nothing). Each bucket's small inputs
 (`input_ids`, `position_ids`, `cache_rows`, `encoder_attention_mask`) and outputs (logits,
 top candidates, present K/V) are OrtValues made once; a step copies the inputs into them
 (`OrtValue.update_inplace`; the mask only when it changed) and runs one of the bucket's two
