@@ -9,10 +9,13 @@ projection took 7.5-8.5 ms a step that way against 5.1-5.2 ms pre-packed
 (docs/benchmarks.md).
 
 `constant_weights` removes those inputs from the graph's bytes, so that ONNX Runtime takes the
-table as a constant and pre-packs it: the projection's fastest kernel, for one packed copy of
-the table more in memory. `Runtime(pack_weights=...)` (`--pack-weights`) chooses; on CPU it
-does by default. The rewrite reads and writes the protobuf fields itself (the serving path has
-no `onnx` package) and touches nothing but the graph's `input` entries.
+table as a constant and pre-packs it: the projection's fastest kernel. The table stays the one
+mapped buffer both sessions are given (`tfserve.runtime.shared_weights`); its pages leave the
+process as packing reads them and only the rows the embedding lookups read come back, so the
+packed copy takes the table's place in memory rather than adding to it.
+`Runtime(pack_weights=...)` (`--pack-weights`) chooses; on CPU it does by default. The
+rewrite reads and writes the protobuf fields itself (the serving path has no `onnx` package)
+and touches nothing but the graph's `input` entries.
 """
 
 from __future__ import annotations

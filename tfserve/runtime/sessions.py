@@ -67,8 +67,9 @@ class Runtime:
         device placement, and so device_cache, is implied) or "auto" (the provider's
         choice: dynamic on CPU, where it is faster).
         pack_weights: on CPU, let ONNX Runtime pre-pack the tied output projection's weight
-        (its fastest kernel, one more copy of the token table; default: on CPU;
-        tfserve.runtime.packed_weights)."""
+        (its fastest kernel; the table's pages leave the process as packing reads them, so
+        the packed copy takes the table's place in memory; default: on CPU;
+        tfserve.runtime.packed_weights, tfserve.runtime.shared_weights)."""
         self.directory = Path(artifacts_dir)
         self.manifest = Manifest.load(self.directory)
         self.config = cfg = self.manifest.config

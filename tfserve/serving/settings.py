@@ -112,8 +112,9 @@ SERVER_SETTINGS: tuple[Setting, ...] = (
     _DEVICE,
     _THREADS,
     Setting("pack_weights", bool, True, "on CPU, let ONNX Runtime pre-pack the output "
-            "projection's weight where it is the tied token table (its fastest kernel; one "
-            "more copy of the table in memory); false keeps one copy, for slower decoder steps"),
+            "projection's weight where it is the tied token table (its fastest kernel): the "
+            "process then holds the packed copy, and of the table's own pages only those of "
+            "the rows looked up; false reads the table itself, for slower decoder steps"),
     Setting("kv_cache", str, "auto", "how the decoder's KV cache is kept: static "
             "(preallocated per batch bucket, written in place each step), dynamic (one column "
             "longer each step), or auto (the device's choice: dynamic on CPU, where it is "
