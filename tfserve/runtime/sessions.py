@@ -119,11 +119,16 @@ class Runtime:
                                  and loads_rewritten_graphs())
         cpu = self.device_kind == "cpu"
         self.pack_weights = cpu if pack_weights is None else pack_weights and cpu
+        # whether the decoder's tied table becomes a constant ONNX Runtime pre-packs (graph
+        # revision 8 lists it as an input; an ONNX Runtime that reads graphs as bytes)
+        self._packs_table = (self.pack_weights and not self.encoder_only
+                             and self.manifest.provenance.get("graph_revision", 1)
+                             >= SHARED_TABLE_REVISION and reads_graph_bytes())
         # the decoder first, so that pre-packing its projection comes before the encoder's
         # weights add to the peak; the tied table's pages leave the process as packing reads
         # them (the projection reads its packed copy, the embedding lookups a row per token:
         # tfserve.runtime.shared_weights)
-        with mapped.dropping_pages() if self.pack_weights else nullcontext():
+        with mapped.dropping_pages() if self._packs_table else nullcontext():
             self.decoder = None if self.encoder_only else _load_graph(
                 graph_files[1], session_args, shared[1], self._decoder_bytes(graph_files[1]))
         self.encoder = _load_graph(graph_files[0], session_args, shared[0])
@@ -177,8 +182,7 @@ class Runtime:
                                    cfg.head_dim)
         elif self.reorders_in_step:
             model = rewritten_decoder(path, self._past_names)
-        revision = self.manifest.provenance.get("graph_revision", 1)
-        if self.pack_weights and revision >= SHARED_TABLE_REVISION and reads_graph_bytes():
+        if self._packs_table:
             packed, names = constant_weights(path.read_bytes() if model is None else model)
             if names:
                 model = packed
