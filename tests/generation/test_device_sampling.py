@@ -23,8 +23,15 @@ from tfserve.generation import DecodingOptions, Hypothesis, make_search, score_r
 from tfserve.generation.batch import BatchRunError, DecodeBatch, generate
 from tfserve.generation.sampling import SamplingSearch
 from tfserve.generation.search import SampleDraws
-from tfserve.runtime import Runtime
-from tfserve.runtime.sampling_graph import DeviceSampler
+from tfserve.runtime import Runtime, sessions
+from tfserve.runtime.providers import make_session
+from tfserve.runtime.sampling_graph import (
+    DRAW_OUTPUTS,
+    STEP_DRAW_INPUTS,
+    DeviceSampler,
+    draw_feeds,
+)
+from tfserve.runtime.step_graph import CACHE_ROWS, rewritten_decoder
 
 BANNED = np.array([PAD], np.int64)
 
@@ -66,7 +73,7 @@ def test_the_device_draw_is_the_searchs_whole_row_draw(logits_dtype: type) -> No
     drawing through the graph gives each the tokens, samples and scores of its own draw."""
     rng = np.random.default_rng(0)
     vocab, steps = 300, 6
-    sampler = DeviceSampler("cpu", 0, ["CPUExecutionProvider"], np.float32)
+    sampler = DeviceSampler("cpu", 0, ["CPUExecutionProvider"])
     for case in range(24):
         options = sampling(seed=case, max_new_tokens=steps, min_new_tokens=int(rng.integers(4)),
                            temperature=float(rng.choice([1.0, 0.6, 1.7])),
@@ -166,8 +173,8 @@ def test_device_draws_equal_the_host_whole_rows_with_no_logits_fetched(
         assert moved.to_host == rows * device.top_candidates * 12 + draws * 12
         assert moved.to_host < rows * device.vocab_size * 4 + draws * 12
     assert device_asked and not any(device_asked)
-    # the decoder, then the draws (and, where rows fan out or leave, row operations)
-    assert min(runs) == 2, runs
+    # the decoder's run, which makes the draws too (and, where rows leave, row operations)
+    assert min(runs) == 1, runs
     same_hypotheses(got, want)
 
 
@@ -260,7 +267,7 @@ def test_step_profile_reports_the_sampling_steps_bytes() -> None:
     row = search_profile(model, batch=4, beams=1, source=5, steps=3, threads=1,
                          placement="device", sampling={"top_p": 0.9, "temperature": 0.8})
     runtime = Runtime(model)
-    assert row["runs_per_step"] == 2  # the decoder and the draws
+    assert row["runs_per_step"] == 1  # the decoder's run, which draws
     # the top candidates and the draws: 4 x 34 x 12 + 4 x 12 bytes, no logits
     assert row["to_host_bytes_per_step"] == 4 * runtime.top_candidates * 12 + 4 * 12
 
@@ -288,3 +295,100 @@ def test_the_draws_of_several_searches_join_in_slot_order() -> None:
     np.testing.assert_array_equal(second.temperature, np.float32([1.0, 1.0, 0.5]))
     np.testing.assert_array_equal(second.block_eos, [True, True, False])
     np.testing.assert_array_equal(second.banned, [PAD])
+
+
+# -- the draws inside the decoder step's run ---------------------------------------------------
+
+
+def standalone_draws(monkeypatch: pytest.MonkeyPatch, model: Any) -> Runtime:
+    """A device placement whose decoder graph has no draw: the step keeps its logits and a
+    second run draws from them (the fallback of a graph without the draw)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(sessions, "rewritten_decoder",
+                      lambda path, past, draws_from=None: rewritten_decoder(path, past))
+        patch.setattr(sessions, "STEP_DRAW_INPUTS", ())
+        return Runtime(model, device_cache=True)
+
+
+def test_a_sampling_step_is_one_run_moving_what_the_draw_run_moved(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Searches sampling with temperature, top-p, a top-k wider than the candidates, two
+    samples each (every search the same rows: no per-row copy of the cross K/V), eos
+    blocked to their last step (no row leaves before): every step is the decoder's one run,
+    which makes the draws; the bytes each step moves, the tokens and the scores are those
+    of the decoder's run followed by the standalone draw run."""
+    model = artifacts("sinusoidal", "pre", favour_specials=True)
+    fused = Runtime(model, device_cache=True)
+    assert {value.name for value in fused.decoder.get_inputs()} >= set(STEP_DRAW_INPUTS)
+    apart = standalone_draws(monkeypatch, model)
+    assert not {value.name for value in apart.decoder.get_inputs()} & set(STEP_DRAW_INPUTS)
+    steady = dict(max_new_tokens=7, min_new_tokens=7, num_return_sequences=2)
+    options = [sampling(seed=21, temperature=0.7, **steady),
+               sampling(seed=22, top_p=0.8, **steady),
+               sampling(seed=23, top_k=60, top_p=0.9, temperature=1.4, **steady)]
+    ids, mask = sources(fused, [4, 6, 3], seed=5)
+    steps: dict[str, list[Any]] = {}
+    results: dict[str, list[list[Hypothesis]]] = {}
+    for name, runtime in (("fused", fused), ("apart", apart)):
+        batch = DecodeBatch(runtime)
+        batch.add([make_search(o, runtime.eos_token_id, runtime.decoder_start_token_id)
+                   for o in options], [0, 1, 2], runtime.encode(ids, mask)[1], mask)
+        got: list[list[Hypothesis]] = [[], [], []]
+        moved = steps[name] = []
+        while len(batch):
+            before = runtime.counters.snapshot()
+            for tag, search in batch.step():
+                got[tag] = search.results()
+            moved.append(runtime.counters.since(before))
+        results[name] = got
+    assert [m.runs for m in steps["fused"]] == [1] * 7
+    assert [m.runs for m in steps["apart"]] == [2] * 7
+    assert [(m.to_device, m.to_host) for m in steps["fused"]] == \
+           [(m.to_device, m.to_host) for m in steps["apart"]]
+    same_hypotheses(results["fused"], results["apart"])
+    assert [[h.score for h in r] for r in results["fused"]] == \
+           [[h.score for h in r] for r in results["apart"]]  # the same nodes: exactly
+
+
+def decoder_feeds(runtime: Runtime, rows: int) -> dict[str, np.ndarray]:
+    """A first step's inputs for `rows` random sources (host arrays), cache_rows included."""
+    ids, mask = sources(runtime, [3 + row for row in range(rows)], seed=6)
+    _, cross = runtime.encode(ids, mask)
+    feeds = {"input_ids": np.full((rows, 1), runtime.decoder_start_token_id, np.int64),
+             "position_ids": np.zeros((rows, 1), np.int64),  # [B,1]
+             "self_attention_mask": np.ones((rows, 1), np.int64),  # [B,1]
+             "encoder_attention_mask": mask, CACHE_ROWS: np.arange(rows, dtype=np.int64)}
+    past = runtime.empty_past(rows)
+    feeds.update(zip(runtime._past_names, (np.asarray(tensor) for tensor in past)))
+    feeds.update(zip(runtime._cross_names, (np.asarray(tensor) for tensor in cross)))
+    return feeds
+
+
+def test_a_step_without_draws_gives_what_the_graph_without_the_draw_gives() -> None:
+    """The decoder graph with the draw, run without draws (the If off, empty inputs), gives
+    every output of the graph without it, exactly, and empty draws; run with draws, the
+    same outputs and the standalone draw graph's tokens on its logits."""
+    runtime = Runtime(artifacts("rope", "pre"))
+    path = runtime.directory / runtime.manifest.decoder_file
+    plain = make_session(path, model=rewritten_decoder(path, runtime._past_names))
+    drawing = make_session(path, model=rewritten_decoder(path, runtime._past_names,
+                                                         "logits"))
+    feeds = decoder_feeds(runtime, 3)
+    names = [value.name for value in plain.get_outputs()]
+    want = plain.run(names, feeds)
+    empty = drawing.run(names + list(DRAW_OUTPUTS), {**feeds, **draw_feeds(None, 0)})
+    for name, got, expected in zip(names, empty, want):
+        np.testing.assert_array_equal(got, expected, err_msg=name)
+    assert [value.shape for value in empty[len(names):]] == [(0,), (0,)]
+    draws = SampleDraws(np.array([2, 0, 0]), np.array([0.3, 0.9, 0.5]),
+                        np.float32([1.0, 0.7, 1.3]), np.array([0, 0, 40]),
+                        np.float32([1.0, 0.8, 0.9]), np.array([True, False, True]),
+                        runtime.eos_token_id, BANNED)
+    drew = drawing.run(names + list(DRAW_OUTPUTS),
+                       {**feeds, **draw_feeds(draws, runtime.vocab_size)})
+    for name, got, expected in zip(names, drew, want):
+        np.testing.assert_array_equal(got, expected, err_msg=name)
+    sampler = DeviceSampler("cpu", 0, ["CPUExecutionProvider"])
+    logits = ort.OrtValue.ortvalue_from_numpy(want[names.index("logits")])
+    for got, expected in zip(drew[len(names):], sampler.draw(logits, draws)):
+        np.testing.assert_array_equal(got, expected)

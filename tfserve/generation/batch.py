@@ -11,8 +11,9 @@ A step fetches the [R,V] logits only when some member reads whole rows itself. M
 decide from the backend's top candidates where those serve them (greedy, beam, top-k
 sampling); a sampling member that may draw any token has its draws made where the logits
 were made, where the backend draws on its device (`Search.device_draw`, `SampleDraws`:
-tfserve.runtime.sampling_graph), so that a step of such members moves nothing of vocabulary
-size either. Repetition controls read whole rows: a step with such a member fetches them.
+tfserve.runtime.sampling_graph; the draws go with the step, whose one run makes them where
+the backend's decoder graph draws), so that a step of such members moves nothing of
+vocabulary size either. Repetition controls read whole rows: a step with such a member fetches them.
 """
 
 from __future__ import annotations
@@ -294,7 +295,8 @@ class DecodeBatch:
         groups, drawing = plan if plan is not None else (None, [])
         draws = _joined_draws(drawing, banned) if drawing else None
         try:
-            with drawer.logits_kept() if draws is not None else nullcontext():
+            # the draws go with the step: where its graph draws, its one run makes them
+            with drawer.logits_kept(draws) if draws is not None else nullcontext():
                 out = self.backend.step(
                     self.last_tokens[:, None],  # [R,1]
                     self.position_ids[:, None],  # [R,1]
@@ -549,7 +551,7 @@ class DecodeBatch:
         return groups, draws
 
     def _drawer(self) -> Any:
-        """What draws samples where the step's logits are made (`logits_kept`, `draw`: see
+        """What draws samples where the step's logits are made (`logits_kept(draws)`, `draw`: see
         tfserve.runtime.cache.DeviceCache), None where nothing does (whole rows then come
         to the host): the backend itself, or its cache placement (a Runtime's), where it
         says it `draws_on_device`."""

@@ -11,8 +11,11 @@ candidates between host and device; the [B,T,V] logits only when the step is ask
 the encoder's hidden states never (Encode reads them through `Runtime.hidden_states`). Row
 operations (beam reorder, rows joining or leaving) run on the device too, as small ONNX
 graphs (`tfserve.runtime.cache_graphs`). Sampling rows that need whole rows of the logits
-draw there as well (`draws_on_device`): steps run inside `logits_kept()` keep their logits
-on the device, and `draw` runs `tfserve.runtime.sampling_graph` on them.
+draw there as well (`draws_on_device`), by the nodes of `tfserve.runtime.sampling_graph`:
+a step run inside `logits_kept(draws)` makes the draws in its own run where the decoder
+graph has them (`tfserve.runtime.step_graph`: the device placement's rewrite), and `draw`
+hands them over; on a decoder graph without them the step keeps its logits on the device,
+and `draw` runs the standalone draw graph on them (a second run).
 
 Both count their ONNX Runtime runs and the bytes they move between host and device memory
 (`RunCounters`), which `python -m tfserve.bench.step_profile --search` reports per step.
@@ -34,7 +37,13 @@ import onnxruntime as ort
 from tfserve.generation import StepOutput, narrow_first, numpy_pool
 from tfserve.generation.search import SampleDraws
 from tfserve.runtime.cache_graphs import DeviceCacheOps
-from tfserve.runtime.sampling_graph import DeviceSampler
+from tfserve.runtime.sampling_graph import (
+    DRAW,
+    DRAW_OUTPUTS,
+    DeviceSampler,
+    draw_feeds,
+    moved_bytes,
+)
 
 POOL_MIN_BYTES = 4 << 20  # cache row operations below this total size run on one thread
 
@@ -237,11 +246,19 @@ class DeviceCache(CacheStorage):
         super().__init__(tensors, heads, head_dim, dtype)
         self.memory, self.index = memory, index
         self.ops = DeviceCacheOps(tensors, dtype, memory, index, providers, self.counters)
-        self.sampler = DeviceSampler(memory, index, providers, dtype, self.counters)
+        # the standalone draw graph: for steps of a decoder graph without the draw
+        self.sampler = DeviceSampler(memory, index, providers, self.counters)
         # inside logits_kept(): a step that does not fetch its logits binds them to the
-        # device, and the last such step's [B,T,V] OrtValue waits here for `draw`
+        # device, and the last such step's [B,T,V] OrtValue waits here for `draw`; or,
+        # where the decoder graph draws (`_draws_in`), the step makes `_step_draws` and
+        # their tokens and log-probabilities wait in `_drawn`
         self._keep_logits = False
         self.step_logits: ort.OrtValue | None = None
+        self._step_draws: SampleDraws | None = None
+        self._drawn: tuple[SampleDraws, np.ndarray, np.ndarray] | None = None
+        # per decoder session whose graph has the draw (sampling_graph.add_draw): the
+        # vocabulary of its logits (0 where the graph leaves it open); None: no draw
+        self._draw_vocab: dict[int, int | None] = {}
         # one IO binding per session, rebound every run: inputs replace their previous
         # binding by name; outputs are cleared and bound again (whether the logits are
         # fetched changes from step to step)
@@ -255,23 +272,42 @@ class DeviceCache(CacheStorage):
         return binding
 
     @contextmanager
-    def logits_kept(self) -> Iterator[None]:
-        """Steps run inside keep the logits they do not fetch on the device, for `draw`;
-        they are let go on the way out."""
+    def logits_kept(self, draws: SampleDraws | None = None) -> Iterator[None]:
+        """Steps run inside make `draws` (rows of the step) in their own run where the
+        decoder graph draws, and keep the logits they do not fetch on the device where it
+        does not, for `draw`; both are let go on the way out."""
         self._keep_logits = True
+        self._step_draws = draws
         try:
             yield
         finally:
             self._keep_logits = False
+            self._step_draws = self._drawn = None
             self.step_logits = None
 
     def draw(self, draws: SampleDraws) -> tuple[np.ndarray, np.ndarray]:
         """Draws from the rows of the last step's logits, on the device
-        (`tfserve.runtime.sampling_graph`): token ids [S] int64, log-probabilities [S]."""
+        (`tfserve.runtime.sampling_graph`): token ids [S] int64, log-probabilities [S].
+        Those the step made, where they are these `draws`; else a run of the standalone
+        draw graph on the logits the step kept."""
+        if self._drawn is not None and self._drawn[0] is draws:
+            return self._drawn[1], self._drawn[2]
         if self.step_logits is None:
             raise RuntimeError("no step's logits are kept on the device: draw inside "
                                "logits_kept(), after a step that did not fetch them")
         return self.sampler.draw(self.step_logits, draws)
+
+    def _draws_in(self, decoder: ort.InferenceSession, logits: str) -> int | None:
+        """Where the decoder graph makes the step's draws (it has the input DRAW), the
+        vocabulary of its `logits` output [B,T,V] (0: not fixed by the graph); else None."""
+        if id(decoder) not in self._draw_vocab:
+            vocab = None
+            if any(value.name == DRAW for value in decoder.get_inputs()):
+                shape = next(value.shape for value in decoder.get_outputs()
+                             if value.name == logits)
+                vocab = shape[-1] if isinstance(shape[-1], int) else 0
+            self._draw_vocab[id(decoder)] = vocab
+        return self._draw_vocab[id(decoder)]
 
     def _bind_host_inputs(self, binding: ort.IOBinding, feeds: dict[str, np.ndarray]) -> None:
         for name, value in feeds.items():
@@ -321,19 +357,35 @@ class DeviceCache(CacheStorage):
         """The step's one run on its bound inputs: the logits bound to the host only when
         asked for, the present K/V as `bind_present` binds them (outputs[1:]), the top
         candidates to the host. (logits or None, the present K/V, the top candidates)."""
-        kept = self._keep_logits and not need_logits
+        # the step's draws (logits_kept), made in this run where the graph has the draw
+        vocab = self._draws_in(decoder, outputs[0])
+        draws = self._step_draws if vocab is not None else None
+        self._drawn = None
+        kept = self._keep_logits and not need_logits and draws is None
         if need_logits:  # else the logits stay unbound: made on the device, never copied
             binding.bind_output(outputs[0], "cpu")
-        elif kept:  # or bound there, for the step's draws (logits_kept)
+        elif kept:  # or bound there, for a standalone run of the draws (logits_kept)
             binding.bind_output(outputs[0], self.memory, self.index)
         bind_present(outputs[1:])
         for name in top_outputs:
             binding.bind_output(name, "cpu")
+        if vocab is not None:  # every run binds the draw inputs: empty, the If off, if none
+            feeds = draw_feeds(draws, vocab)
+            for name, value in feeds.items():
+                binding.bind_cpu_input(name, value)
+            self.counters.to_device += moved_bytes(feeds)
+            if draws is not None:
+                for name in DRAW_OUTPUTS:
+                    binding.bind_output(name, "cpu")
         self.counters.runs += 1
         decoder.run_with_iobinding(binding)
         values = binding.get_outputs()
         logits = self._fetch(values[0]).astype(np.float32, copy=False) if need_logits else None
         self.step_logits = values[0] if kept else None
+        if draws is not None:  # the draws' outputs, bound last
+            token, log_prob = (self._fetch(value) for value in values[-len(DRAW_OUTPUTS):])
+            self._drawn = (draws, token, log_prob)
+            values = values[: -len(DRAW_OUTPUTS)]
         cache_end = len(values) - len(top_outputs)
         return (logits, list(values[int(need_logits or kept) : cache_end]),
                 [self._fetch(value) for value in values[cache_end:]])

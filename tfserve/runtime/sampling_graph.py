@@ -2,13 +2,12 @@
 
 A sampling search without top-k (temperature alone, top-p, or a top_k wider than the graph's
 top candidates) may draw any token, so it needs whole rows of the [B,V] logits. On the device
-placement (`tfserve.runtime.cache.DeviceCache`) those rows stay where the decoder made them:
-the step binds its logits to the device, and this small ONNX graph, run on that OrtValue,
-makes the draws there. What crosses to the device is per draw its row, its uniform and its
-options (about 40 bytes); what comes back is per draw its token and log-probability (12
-bytes): nothing of vocabulary size.
+placement (`tfserve.runtime.cache.DeviceCache`) those rows stay where the decoder made them
+and the draws are made there, by the ONNX nodes built here. What crosses to the device is
+per draw its row, its uniform and its options (about 40 bytes); what comes back is per draw
+its token and log-probability (12 bytes): nothing of vocabulary size.
 
-The graph reproduces `SamplingSearch._draw` (tfserve.generation.sampling), which the host
+The nodes reproduce `SamplingSearch._draw` (tfserve.generation.sampling), which the host
 runs on numpy rows, operation for operation, so that a seed gives the same tokens on either
 path:
 
@@ -28,20 +27,35 @@ path:
    token).
 
 Each option is per draw, so searches with different temperatures, top-k and top-p share one
-run. The full sort of step 5 is the graph's costly part: a run whose draws all have top_p 1
-takes the variant without it. Logsumexps are written as the host writes them (peak + log of
-the sum of exp of the shifted row) rather than as ONNX's fused ops, to keep their rounding
-close; sums still run in another order than numpy's, so probabilities agree to float32
-rounding and a draw could differ only where its uniform falls within that rounding of a
-boundary.
+run. Steps 4 and 5 are each under an `If` on a bool input (`DRAW_TOP_K`, `DRAW_TOP_P`, set
+from the host when some draw asks for the filter): the full sort of step 5 is the costly
+part, and a run whose draws all have top_p 1 skips it. Logsumexps are written as the host
+writes them (peak + log of the sum of exp of the shifted row) rather than as ONNX's fused
+ops, to keep their rounding close; sums still run in another order than numpy's, so
+probabilities agree to float32 rounding and a draw could differ only where its uniform falls
+within that rounding of a boundary.
 
-The graphs are built here with `onnx.helper` when the placement is made (a variant per
-logits element type: float32, or float16 in fp16 exports, built on first use), like the row
-operations of `tfserve.runtime.cache_graphs`, and run with IO binding on the same device.
+The nodes are built once per graph by `_draw_nodes`, from which two graphs are made:
+
+- `add_draw`: the decoder step graph's own draw (`tfserve.runtime.step_graph`), an `If` on
+  the bool input `DRAW` at the end of the decoder graph whose then-branch is the draw over
+  the step's logits (an outer-scope value) and whose else-branch gives empty outputs: a
+  step's draws come out of the step's one ONNX Runtime run, and a step without draws runs
+  the else-branch's two empty constants. Every run binds the draw inputs (empty ones, and
+  the conditions off, when nothing is drawn: `draw_feeds`). The conditions are bound from
+  host memory, where ONNX Runtime reads an `If`'s condition on every provider.
+- `draw_graph`: the same nodes as a graph of their own, which `DeviceSampler` runs with IO
+  binding on a step's logits OrtValue, a second run: the fallback for a decoder graph
+  without the draw (the static cache's rewrite, an ONNX Runtime that cannot load a
+  rewritten graph with its weights in files).
+
+Built with `onnx.helper` (a graph per logits element type: float32, or float16 in fp16
+exports), like the row operations of `tfserve.runtime.cache_graphs`.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -52,28 +66,46 @@ if TYPE_CHECKING:
     from tfserve.runtime.cache import RunCounters
 
 OPSET = 17
-# a run's small inputs and their element types on the host: every variant's, then top-k's
-# and top-p's
-DRAW_INPUTS = {"rows": np.int64, "uniforms": np.float64, "temperature": np.float32,
-               "blocked_ids": np.int64, "blocked": np.bool_}
-TOP_K_INPUTS = {"top_k": np.int64}
-TOP_P_INPUTS = {"top_p": np.float32}
-DRAW_OUTPUTS = ("token", "log_prob")
+# the draw's small inputs, per draw, and their element types on the host
+DRAW_INPUTS = {"draw_rows": np.int64, "draw_uniforms": np.float64,
+               "draw_temperature": np.float32, "draw_top_k": np.int64,
+               "draw_top_p": np.float32, "draw_blocked_ids": np.int64,
+               "draw_blocked": np.bool_}
+# bool [] conditions, bound from host memory: whether some draw filters by top-k, by top-p
+DRAW_TOP_K = "draw_with_top_k"
+DRAW_TOP_P = "draw_with_top_p"
+# bool []: whether the step graph draws in this run (add_draw's If)
+DRAW = "draw"
+DRAW_OUTPUTS = ("drawn_token", "drawn_log_prob")
+# what a decoder graph gains with add_draw
+STEP_DRAW_INPUTS = (DRAW, DRAW_TOP_K, DRAW_TOP_P, *DRAW_INPUTS)
+# the inputs of a run that draws nothing: no draws, the conditions off
+_NO_DRAWS = {DRAW: np.array(False), DRAW_TOP_K: np.array(False),
+             DRAW_TOP_P: np.array(False),
+             **{name: np.zeros((0, 1) if name.startswith("draw_blocked") else 0, dtype)
+                for name, dtype in DRAW_INPUTS.items()}}
 
 
 class _GraphBuilder:
-    """Nodes and constants of one graph, named in order."""
+    """Nodes and constants of one graph, named in order under `prefix`; `branch` gives the
+    builder of a subgraph, whose names continue the same count (unique across scopes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "", counter: Any = None) -> None:
         self.nodes: list[Any] = []
-        self.count = 0
+        self.prefix = prefix
+        self.counter = itertools.count(1) if counter is None else counter
+
+    def branch(self) -> _GraphBuilder:
+        return _GraphBuilder(self.prefix, self.counter)
+
+    def _name(self, stem: str) -> str:
+        return f"{self.prefix}{stem}_{next(self.counter)}"
 
     def __call__(self, op: str, *inputs: str, **attributes: Any) -> str:
         """One node with one output; its name."""
         from onnx import helper
 
-        self.count += 1
-        out = f"{op.lower()}_{self.count}"
+        out = self._name(op.lower())
         self.nodes.append(helper.make_node(op, list(inputs), [out], **attributes))
         return out
 
@@ -82,8 +114,8 @@ class _GraphBuilder:
         """One node with `count` outputs; their names."""
         from onnx import helper
 
-        self.count += 1
-        outs = [f"{op.lower()}_{self.count}_{i}" for i in range(count)]
+        stem = self._name(op.lower())
+        outs = [f"{stem}_{i}" for i in range(count)]
         self.nodes.append(helper.make_node(op, inputs, outs, **attributes))
         return outs
 
@@ -91,11 +123,16 @@ class _GraphBuilder:
         """A constant tensor (a 0-d one for a scalar)."""
         from onnx import helper, numpy_helper
 
-        self.count += 1
-        out = f"const_{self.count}"
+        out = self._name("const")
         tensor = numpy_helper.from_array(np.array(value, dtype), out)
         self.nodes.append(helper.make_node("Constant", [], [out], value=tensor))
         return out
+
+    def graph(self, name: str, outputs: list[Any], inputs: list[Any] | None = None) -> Any:
+        """These nodes as a GraphProto (a subgraph: no inputs, outer-scope names read)."""
+        from onnx import helper
+
+        return helper.make_graph(self.nodes, name, inputs or [], outputs)
 
     def log_softmax(self, x: str, axes: str) -> str:
         """x - (peak + log(sum(exp(x - peak)))) over axis 1 of x [S,V] (kernels.log_softmax)."""
@@ -108,60 +145,85 @@ class _GraphBuilder:
         return self("Add", peak, self("Log", total))
 
 
-def _graph_bytes(logits_type: int, top_k: bool, nucleus: bool) -> bytes:
-    """The draw graph for logits [B,T,V] of element type `logits_type` (module docstring);
-    top_k: with step 4, nucleus: with step 5 (a run without either skips its passes)."""
+def _filter_branch(g: _GraphBuilder, condition: str, x: str, name: str,
+                   stage: Any) -> str:
+    """If(condition): stage(builder, x) [S,V] float32, else x as it is; the If's output."""
     from onnx import TensorProto, helper
 
-    g = _GraphBuilder()
+    then = g.branch()
+    filtered = stage(then)
+    keep = g.branch()
+    same = keep("Identity", x)
+
+    def out(value: str) -> Any:
+        return helper.make_tensor_value_info(value, TensorProto.FLOAT, ["draws", "vocab"])
+
+    return g("If", condition, then_branch=then.graph(f"{name}_on", [out(filtered)]),
+             else_branch=keep.graph(f"{name}_off", [out(same)]))
+
+
+def _draw_nodes(g: _GraphBuilder, logits: str, logits_type: int,
+                outputs: tuple[str, str]) -> None:
+    """The draw (module docstring) from logits [B,T,V] of element type `logits_type`, reading
+    DRAW_INPUTS and the conditions DRAW_TOP_K / DRAW_TOP_P, into g: token [S] int64 and
+    log_prob [S] float32 written to `outputs`."""
+    from onnx import TensorProto, helper
+
+    rows, uniforms, temperature, top_k, top_p, blocked_ids, blocked = DRAW_INPUTS
     axis1 = g.const([1], np.int64)
     ninf = g.const(-np.inf, np.float32)
     # 1. the drawn rows' last position, float32 [S,V]; their logsumexp before any ban
-    picked = g("Gather", "logits", "rows", axis=0)  # [S,T,V]
+    picked = g("Gather", logits, rows, axis=0)  # [S,T,V]
     last = g("Gather", picked, g.const(-1, np.int64), axis=1)  # [S,V]
     x = g("Cast", last, to=TensorProto.FLOAT) if logits_type != TensorProto.FLOAT else last
     lse = g.logsumexp(x, axis1)  # [S,1]
     vocab = g("Gather", g("Shape", x), g.const(1, np.int64), axis=0)  # scalar V
     # 2. bans: blocked_ids [S,m] each row's banned ids and eos, blocked [S,m] which of them
     # go to -inf; the others are written back as they are (a row that lets eos through)
-    held = g("GatherElements", x, "blocked_ids", axis=1)  # [S,m]
-    allowed = g("ScatterElements", x, "blocked_ids", g("Where", "blocked", ninf, held),
+    held = g("GatherElements", x, blocked_ids, axis=1)  # [S,m]
+    allowed = g("ScatterElements", x, blocked_ids, g("Where", blocked, ninf, held),
                 axis=1)  # [S,V]
     # 3. temperature
-    filtered = g("Div", allowed, g("Unsqueeze", "temperature", axis1))  # [S,V]
-    if top_k:
+    scaled = g("Div", allowed, g("Unsqueeze", temperature, axis1))  # [S,V]
+
+    def top_k_filter(b: _GraphBuilder) -> str:
         # 4. top-k: below the k-th largest (k of the rows with 0 < top_k < V; K the largest)
-        k_on = g("And", g("Greater", "top_k", g.const(0, np.int64)),
-                 g("Less", "top_k", vocab))  # [S]
-        k = g("Where", k_on, "top_k", g.const(0, np.int64))  # [S]
-        widest = g("Max", g("ReduceMax", k, axes=[0], keepdims=1),
-                   g.const([1], np.int64))  # [1]
-        best, _ = g.outputs("TopK", [filtered, widest], 2, axis=1)  # [S,K], largest first
-        kth_index = g("Unsqueeze", g("Max", g("Sub", k, g.const(1, np.int64)),
-                                     g.const(0, np.int64)), axis1)  # [S,1]
-        kth = g("Where", g("Unsqueeze", k_on, axis1),
-                g("GatherElements", best, kth_index, axis=1), ninf)  # [S,1]
-        filtered = g("Where", g("Less", filtered, kth), ninf, filtered)  # [S,V]
-    if nucleus:
+        k_on = b("And", b("Greater", top_k, b.const(0, np.int64)),
+                 b("Less", top_k, vocab))  # [S]
+        k = b("Where", k_on, top_k, b.const(0, np.int64))  # [S]
+        widest = b("Max", b("ReduceMax", k, axes=[0], keepdims=1),
+                   b.const([1], np.int64))  # [1]
+        best, _ = b.outputs("TopK", [scaled, widest], 2, axis=1)  # [S,K], largest first
+        kth_index = b("Unsqueeze", b("Max", b("Sub", k, b.const(1, np.int64)),
+                                     b.const(0, np.int64)), axis1)  # [S,1]
+        kth = b("Where", b("Unsqueeze", k_on, axis1),
+                b("GatherElements", best, kth_index, axis=1), ninf)  # [S,1]
+        return b("Where", b("Less", scaled, kth), ninf, scaled)  # [S,V]
+
+    top_ked = _filter_branch(g, DRAW_TOP_K, scaled, "draw_top_k", top_k_filter)
+
+    def top_p_filter(b: _GraphBuilder) -> str:
         # 5. top-p over the row sorted by logit (ties: lower id first)
-        ordered, order = g.outputs("TopK", [filtered, g("Reshape", vocab, axis1)], 2,
+        ordered, order = b.outputs("TopK", [top_ked, b("Reshape", vocab, axis1)], 2,
                                    axis=1, largest=1, sorted=1)  # [S,V] each
-        sorted_probs = g("Exp", g.log_softmax(ordered, axis1))  # [S,V]
-        before = g("Sub", g("CumSum", sorted_probs, g.const(1, np.int64)), sorted_probs)
-        first = g("Unsqueeze", g("Equal", g("Range", g.const(0, np.int64), vocab,
-                                            g.const(1, np.int64)), g.const(0, np.int64)),
-                  g.const([0], np.int64))  # [1,V]: the most likely token always stays
-        remove = g("And", g("GreaterOrEqual", before, g("Unsqueeze", "top_p", axis1)),
-                   g("Not", first))  # [S,V]
-        remove = g("And", remove, g("Unsqueeze", g("Less", "top_p", g.const(1.0, np.float32)),
+        sorted_probs = b("Exp", b.log_softmax(ordered, axis1))  # [S,V]
+        before = b("Sub", b("CumSum", sorted_probs, b.const(1, np.int64)), sorted_probs)
+        first = b("Unsqueeze", b("Equal", b("Range", b.const(0, np.int64), vocab,
+                                            b.const(1, np.int64)), b.const(0, np.int64)),
+                  b.const([0], np.int64))  # [1,V]: the most likely token always stays
+        remove = b("And", b("GreaterOrEqual", before, b("Unsqueeze", top_p, axis1)),
+                   b("Not", first))  # [S,V]
+        remove = b("And", remove, b("Unsqueeze", b("Less", top_p, b.const(1.0, np.float32)),
                                     axis1))  # top_p 1: no filter
-        kept_sorted = g("Where", remove, ninf, ordered)  # [S,V]
-        filtered = g("ScatterElements", filtered, order, kept_sorted, axis=1)  # id order
+        kept_sorted = b("Where", remove, ninf, ordered)  # [S,V]
+        return b("ScatterElements", top_ked, order, kept_sorted, axis=1)  # id order
+
+    filtered = _filter_branch(g, DRAW_TOP_P, top_ked, "draw_top_p", top_p_filter)
     # 6. the inverse-CDF draw in id order
     probs = g("Exp", g.log_softmax(filtered, axis1))  # [S,V] float32
     cdf = g("CumSum", g("Cast", probs, to=TensorProto.DOUBLE), g.const(1, np.int64))
     total = g("Gather", cdf, g.const(-1, np.int64), axis=1)  # [S]
-    threshold = g("Unsqueeze", g("Mul", "uniforms", total), axis1)  # [S,1]
+    threshold = g("Unsqueeze", g("Mul", uniforms, total), axis1)  # [S,1]
     count = g("ReduceSum", g("Cast", g("LessOrEqual", cdf, threshold), to=TensorProto.INT64),
               axis1, keepdims=0)  # [S]: searchsorted side="right"
     column = g("Unsqueeze", g("Min", count, g("Sub", vocab, g.const(1, np.int64))),
@@ -181,28 +243,81 @@ def _graph_bytes(logits_type: int, top_k: bool, nucleus: bool) -> bytes:
                g.const(0.0, np.float32))  # [S,1]
     token = g("Where", landed, column, last_drawable)  # [S,1]
     logit = g("GatherElements", x, token, axis=1)  # [S,1]
-    g.nodes.append(helper.make_node("Squeeze", [token, axis1], ["token"]))
-    g.nodes.append(helper.make_node("Squeeze", [g("Sub", logit, lse), axis1], ["log_prob"]))
+    g.nodes.append(helper.make_node("Squeeze", [token, axis1], [outputs[0]]))  # [S]
+    g.nodes.append(helper.make_node("Squeeze", [g("Sub", logit, lse), axis1],
+                                    [outputs[1]]))  # [S]
+
+
+def _output_infos(names: tuple[str, str]) -> list[Any]:
+    """The token [S] int64 and log-probability [S] float32 outputs, named `names`."""
+    from onnx import TensorProto, helper
+
+    return [helper.make_tensor_value_info(names[0], TensorProto.INT64, ["draws"]),
+            helper.make_tensor_value_info(names[1], TensorProto.FLOAT, ["draws"])]
+
+
+def _input_infos(names: Any) -> list[Any]:
+    """Value infos of the draw inputs and conditions among `names`."""
+    from onnx import TensorProto, helper
 
     types = {np.int64: TensorProto.INT64, np.float64: TensorProto.DOUBLE,
              np.float32: TensorProto.FLOAT, np.bool_: TensorProto.BOOL}
-    inputs = [helper.make_tensor_value_info("logits", logits_type, ["batch", "time", "vocab"])]
-    for name, dtype in _inputs(top_k, nucleus).items():
-        shape = ["draws", "blocked"] if name.startswith("blocked") else ["draws"]
-        inputs.append(helper.make_tensor_value_info(name, types[dtype], shape))
-    outputs = [helper.make_tensor_value_info("token", TensorProto.INT64, ["draws"]),
-               helper.make_tensor_value_info("log_prob", TensorProto.FLOAT, ["draws"])]
-    name = "sample_draws" + "_top_k" * top_k + "_top_p" * nucleus
-    graph = helper.make_graph(g.nodes, name, inputs, outputs)
+    infos = []
+    for name in names:
+        if name in (DRAW, DRAW_TOP_K, DRAW_TOP_P):
+            infos.append(helper.make_tensor_value_info(name, TensorProto.BOOL, []))
+        else:
+            shape = ["draws", "blocked"] if name.startswith("draw_blocked") else ["draws"]
+            infos.append(helper.make_tensor_value_info(name, types[DRAW_INPUTS[name]], shape))
+    return infos
+
+
+def draw_graph(logits_type: int) -> bytes:
+    """The draw as a graph of its own (DeviceSampler's): logits [B,T,V] of element type
+    `logits_type`, DRAW_INPUTS and the conditions in, DRAW_OUTPUTS out."""
+    from onnx import helper
+
+    g = _GraphBuilder()
+    _draw_nodes(g, "logits", logits_type, DRAW_OUTPUTS)
+    inputs = [helper.make_tensor_value_info("logits", logits_type, ["batch", "time", "vocab"]),
+              *_input_infos((DRAW_TOP_K, DRAW_TOP_P, *DRAW_INPUTS))]
+    graph = g.graph("sample_draws", _output_infos(DRAW_OUTPUTS), inputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = 8
     return model.SerializeToString()
 
 
-def _inputs(top_k: bool, nucleus: bool) -> dict[str, type]:
-    """The small inputs of a variant, with their element types."""
-    return {**DRAW_INPUTS, **(TOP_K_INPUTS if top_k else {}),
-            **(TOP_P_INPUTS if nucleus else {})}
+def add_draw(graph: Any, logits: str) -> None:
+    """Add the draw to a decoder graph (onnx GraphProto, edited in place) that gives
+    `logits` [B,T,V] as an output: the inputs STEP_DRAW_INPUTS, the outputs DRAW_OUTPUTS,
+    and at the end an If on DRAW whose then-branch draws from those logits and whose
+    else-branch gives empty outputs. A ValueError where the graph has no such output or
+    already has one of those names."""
+    from onnx import helper
+
+    given = {value.name: value for value in graph.output}
+    if logits not in given:
+        raise ValueError(f"the decoder graph has no output {logits!r} to draw from")
+    names = {value.name for value in (*graph.input, *graph.output)}
+    clash = [name for name in (*STEP_DRAW_INPUTS, *DRAW_OUTPUTS) if name in names]
+    if clash:
+        raise ValueError(f"the decoder graph already has a {clash[0]!r}")
+    logits_type = given[logits].type.tensor_type.elem_type
+    then = _GraphBuilder("draw/")
+    inner = (f"draw/{DRAW_OUTPUTS[0]}", f"draw/{DRAW_OUTPUTS[1]}")
+    _draw_nodes(then, logits, logits_type, inner)
+    none = _GraphBuilder("draw/", then.counter)
+    empty = (none.const(np.zeros(0, np.int64), np.int64),
+             none.const(np.zeros(0, np.float32), np.float32))
+    none.nodes.extend(helper.make_node("Identity", [value], [name])
+                      for value, name in zip(empty, (f"{name}/none" for name in inner)))
+    graph.node.append(helper.make_node(
+        "If", [DRAW], list(DRAW_OUTPUTS), name="draw",
+        then_branch=then.graph("draw", _output_infos(inner)),
+        else_branch=none.graph("draw_none", _output_infos(
+            tuple(f"{name}/none" for name in inner)))))  # type: ignore[arg-type]
+    graph.input.extend(_input_infos(STEP_DRAW_INPUTS))
+    graph.output.extend(_output_infos(DRAW_OUTPUTS))
 
 
 def blocked_tokens(draws: SampleDraws) -> tuple[np.ndarray, np.ndarray]:
@@ -220,26 +335,49 @@ def blocked_tokens(draws: SampleDraws) -> tuple[np.ndarray, np.ndarray]:
     return ids, blocked
 
 
+def draw_feeds(draws: SampleDraws | None, vocab: int) -> dict[str, np.ndarray]:
+    """The host values of a run's draw inputs and conditions (STEP_DRAW_INPUTS, DRAW
+    included): `draws` for logits of `vocab` ids (0: not known; a top_k of V or more then
+    runs the top-k pass, which keeps every id), or, where it is None, none (empty inputs,
+    every condition off)."""
+    if draws is None:
+        return _NO_DRAWS
+    top_k = np.asarray(draws.top_k)
+    blocked_ids, blocked = blocked_tokens(draws)
+    given = {"draw_rows": draws.rows, "draw_uniforms": draws.uniforms,
+             "draw_temperature": draws.temperature, "draw_top_k": draws.top_k,
+             "draw_top_p": draws.top_p, "draw_blocked_ids": blocked_ids,
+             "draw_blocked": blocked}
+    feeds = {DRAW: np.array(True),
+             DRAW_TOP_K: np.array(bool(((top_k > 0) & ((top_k < vocab) | (vocab <= 0))).any())),
+             DRAW_TOP_P: np.array(bool((np.asarray(draws.top_p) < 1.0).any()))}
+    feeds.update((name, np.ascontiguousarray(given[name], dtype=dtype))
+                 for name, dtype in DRAW_INPUTS.items())
+    return feeds
+
+
+def moved_bytes(feeds: dict[str, np.ndarray]) -> int:
+    """What of `draw_feeds` crosses to the device: the draw inputs. The conditions stay in
+    host memory, where ONNX Runtime reads an If's condition."""
+    return sum(feeds[name].nbytes for name in DRAW_INPUTS)
+
+
 class DeviceSampler:
-    """The draw graphs on one device, and their runs on a step's logits OrtValue."""
+    """The standalone draw graph on one device, and its runs on a step's logits OrtValue
+    (the fallback where the decoder graph has no draw of its own: module docstring)."""
 
     def __init__(self, device_kind: str, device_index: int, providers: list[Any],
-                 dtype: type[np.floating], counters: RunCounters | None = None) -> None:
-        """dtype: the logits' element type to build the variants for now (another one: on
-        first use); counters: a `RunCounters` that the runs and the bytes they move are
-        added to."""
+                 counters: RunCounters | None = None) -> None:
+        """counters: a `RunCounters` that the runs and the bytes they move are added to.
+        A graph per logits element type is built on its first use."""
         self.device_kind, self.device_index = device_kind, device_index
         self.providers = providers
         self.counters = counters
-        self.sessions: dict[tuple[str, bool, bool], ort.InferenceSession] = {}
-        element = "tensor(float16)" if np.dtype(dtype) == np.float16 else "tensor(float)"
-        for top_k in (False, True):
-            for nucleus in (False, True):
-                self._session(element, top_k, nucleus)
+        self.sessions: dict[str, ort.InferenceSession] = {}
 
-    def _session(self, element: str, top_k: bool, nucleus: bool) -> ort.InferenceSession:
-        """The variant for logits of ONNX Runtime type `element` ('tensor(float)', ...)."""
-        session = self.sessions.get((element, top_k, nucleus))
+    def _session(self, element: str) -> ort.InferenceSession:
+        """The graph for logits of ONNX Runtime type `element` ('tensor(float)', ...)."""
+        session = self.sessions.get(element)
         if session is None:
             from onnx import TensorProto
 
@@ -249,37 +387,27 @@ class DeviceSampler:
                                 f"{element}")
             options = ort.SessionOptions()
             options.log_severity_level = 3
-            session = self.sessions[(element, top_k, nucleus)] = ort.InferenceSession(
-                _graph_bytes(types[element], top_k, nucleus), sess_options=options,
-                providers=self.providers)
+            session = self.sessions[element] = ort.InferenceSession(
+                draw_graph(types[element]), sess_options=options, providers=self.providers)
         return session
 
     def draw(self, logits: ort.OrtValue, draws: SampleDraws) -> tuple[np.ndarray, np.ndarray]:
         """One token per draw from the rows of logits [B,T,V] (their last position): the
         drawn ids [S] int64 and their log-probabilities [S] float32 (logit - logsumexp of
         the unscaled row)."""
-        vocab = logits.shape()[-1]
-        top_k_values = np.asarray(draws.top_k)
-        top_k = bool(((top_k_values > 0) & (top_k_values < vocab)).any())
-        nucleus = bool((np.asarray(draws.top_p) < 1.0).any())
-        session = self._session(logits.data_type(), top_k, nucleus)
-        blocked_ids, blocked = blocked_tokens(draws)
-        small = {"rows": draws.rows, "uniforms": draws.uniforms,
-                 "temperature": draws.temperature, "top_k": draws.top_k,
-                 "top_p": draws.top_p, "blocked_ids": blocked_ids, "blocked": blocked}
+        session = self._session(logits.data_type())
+        feeds = draw_feeds(draws, logits.shape()[-1])
         binding = session.io_binding()
         binding.bind_ortvalue_input("logits", logits)
-        moved = 0
-        for name, dtype in _inputs(top_k, nucleus).items():
-            value = np.ascontiguousarray(small[name], dtype=dtype)
-            binding.bind_cpu_input(name, value)
-            moved += value.nbytes
+        for name, value in feeds.items():
+            if name != DRAW:  # the step graph's condition: this graph always draws
+                binding.bind_cpu_input(name, value)
         for name in DRAW_OUTPUTS:
             binding.bind_output(name, "cpu")
         session.run_with_iobinding(binding)
         token, log_prob = (value.numpy() for value in binding.get_outputs())
         if self.counters is not None:
             self.counters.runs += 1
-            self.counters.to_device += moved
+            self.counters.to_device += moved_bytes(feeds)
             self.counters.to_host += token.nbytes + log_prob.nbytes
         return token, log_prob

@@ -34,6 +34,7 @@ from tfserve.generation import StepOutput
 from tfserve.runtime.cache import CacheStorage, DeviceCache, HostCache, RunCounters
 from tfserve.runtime.packed_weights import constant_weights
 from tfserve.runtime.providers import PROVIDERS, ProviderError, make_session, parse_device
+from tfserve.runtime.sampling_graph import STEP_DRAW_INPUTS
 from tfserve.runtime.shared_weights import SharedInitializers, shared_initializers
 from tfserve.runtime.static_cache import StaticCache
 from tfserve.runtime.static_step import SELF_ATTENTION_MASK, static_decoder
@@ -180,8 +181,8 @@ class Runtime:
             presents = [name.replace("past_", "present_", 1) for name in self._past_names]
             model = static_decoder(path, self._past_names, presents, cfg.num_heads,
                                    cfg.head_dim)
-        elif self.reorders_in_step:
-            model = rewritten_decoder(path, self._past_names)
+        elif self.reorders_in_step:  # and the step's sampling draws, in the same run
+            model = rewritten_decoder(path, self._past_names, self.decoder_outputs[0])
         if self._packs_table:
             packed, names = constant_weights(path.read_bytes() if model is None else model)
             if names:
@@ -206,8 +207,11 @@ class Runtime:
         where = self.directory / MANIFEST_FILE
         cfg = self.config
         files = {"encoder": self.manifest.encoder_file, "decoder": self.manifest.decoder_file}
-        # the load's rewrite: cache_rows; the static cache computes the self-attention mask
+        # the load's rewrite: cache_rows (and the draws where it reorders in the step); the
+        # static cache computes the self-attention mask
         step_inputs = [CACHE_ROWS] if self.reorders_in_step or self.static_cache else []
+        if self.reorders_in_step:
+            step_inputs += STEP_DRAW_INPUTS
         decoder_inputs = [name for name in self.decoder_inputs
                           if not (self.static_cache and name == SELF_ATTENTION_MASK)]
         expected = {"encoder": (self.encoder_inputs, self.encoder_outputs),

@@ -8,6 +8,12 @@ tensor, axis 0) before anything reads the past. The step then takes the previous
 present K/V as they came out, with the parents of the rows, and does the reorder on the
 device inside the one run; greedy rows pass their own index.
 
+The step's sampling draws are part of the same run: with `draws_from` (the logits output),
+the graph also gets the draw of `tfserve.runtime.sampling_graph` (`add_draw`: an If on a
+bool input, bound from host memory, whose then-branch draws from the step's logits where
+they were made and whose else-branch gives empty outputs), so a step with draws is one run,
+and a step without them pays for an If that takes its empty branch.
+
 The rewrite is made when the runtime loads the graph, from the graph file without its
 weights (`onnx.load(load_external_data=False)`): the session reads the weights from the
 artifacts directory (`session.model_external_initializers_file_folder_path`, ONNX Runtime
@@ -19,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from tfserve.runtime.sampling_graph import add_draw
 
 CACHE_ROWS = "cache_rows"
 # ONNX Runtime's session option naming the folder of the external data of a model loaded
@@ -58,10 +66,13 @@ def load_decoder(decoder: Path, needed: Sequence[str]) -> Any:
     return model
 
 
-def rewritten_decoder(decoder: Path, past_names: list[str]) -> bytes:
+def rewritten_decoder(decoder: Path, past_names: list[str], draws_from: str | None = None
+                      ) -> bytes:
     """The decoder graph at `decoder` (its weights left in their files) with the
     `cache_rows` input: every consumer of past_key_l / past_value_l reads
-    Gather(past, cache_rows, axis 0) instead."""
+    Gather(past, cache_rows, axis 0) instead; and, where `draws_from` names its logits
+    output, the step's draws (`sampling_graph.add_draw`: the inputs STEP_DRAW_INPUTS, the
+    outputs DRAW_OUTPUTS)."""
     from onnx import TensorProto, helper
 
     model = load_decoder(decoder, past_names)
@@ -79,4 +90,6 @@ def rewritten_decoder(decoder: Path, past_names: list[str]) -> bytes:
     for position, node in enumerate(gathers):  # first: the node order stays topological
         graph.node.insert(position, node)
     graph.input.append(helper.make_tensor_value_info(CACHE_ROWS, TensorProto.INT64, ["batch"]))
+    if draws_from is not None:
+        add_draw(graph, draws_from)
     return model.SerializeToString()
