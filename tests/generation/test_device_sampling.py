@@ -30,6 +30,7 @@ from tfserve.runtime.sampling_graph import (
     STEP_DRAW_INPUTS,
     DeviceSampler,
     draw_feeds,
+    moved_bytes,
 )
 from tfserve.runtime.step_graph import CACHE_ROWS, rewritten_decoder
 
@@ -392,3 +393,20 @@ def test_a_step_without_draws_gives_what_the_graph_without_the_draw_gives() -> N
     logits = ort.OrtValue.ortvalue_from_numpy(want[names.index("logits")])
     for got, expected in zip(drew[len(names):], sampler.draw(logits, draws)):
         np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "extra"), [
+    ([0, 0], [1.0, 1.0], 0), ([0, 5], [1.0, 1.0], 8), ([0, 0], [0.9, 1.0], 4),
+    ([300, 0], [1.0, 0.5], 4), ([7, 0], [0.5, 1.0], 12)])
+def test_a_draw_sends_its_filters_options_only_when_their_pass_runs(
+        top_k: list[int], top_p: list[float], extra: int) -> None:
+    """Per draw its row, uniform and temperature (20 bytes), its banned ids and eos with
+    their flags (9 bytes each); top_k (8) and top_p (4) only where some draw's filter
+    runs (a top_k of V or more filters nothing); the If's conditions stay on the host."""
+    draws = SampleDraws(np.array([0, 1]), np.array([0.5, 0.25]), np.float32([1.0, 0.5]),
+                        np.array(top_k), np.float32(top_p), np.array([True, False]), EOS,
+                        np.array([PAD, 7]))
+    feeds = draw_feeds(draws, 300)
+    assert moved_bytes(feeds) == 2 * (20 + 3 * 9 + extra)
+    assert set(feeds) == set(STEP_DRAW_INPUTS)
+    assert moved_bytes(draw_feeds(None, 300)) == 0

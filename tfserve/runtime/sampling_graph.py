@@ -353,6 +353,10 @@ def draw_feeds(draws: SampleDraws | None, vocab: int) -> dict[str, np.ndarray]:
              DRAW_TOP_P: np.array(bool((np.asarray(draws.top_p) < 1.0).any()))}
     feeds.update((name, np.ascontiguousarray(given[name], dtype=dtype))
                  for name, dtype in DRAW_INPUTS.items())
+    # top_k and top_p are read by their filter's branch alone: empty where it is off
+    for condition, name in ((DRAW_TOP_K, "draw_top_k"), (DRAW_TOP_P, "draw_top_p")):
+        if not feeds[condition]:
+            feeds[name] = _NO_DRAWS[name]
     return feeds
 
 
