@@ -23,8 +23,8 @@ runs and the bytes copied between host and device memory per decoder step (the r
 `RunCounters`; the encoder run and the rows' joining are not counted). `--sample` samples
 instead (`--samples` per text, `--temperature`, `--top-k`, `--top-p`, seeded): without a
 top-k the graph's candidates can serve, the device placement draws where the logits are
-(tfserve.runtime.sampling_graph: a second run per step) and the host placement takes whole
-rows.
+(tfserve.runtime.sampling_graph: inside the decoder step's run; the static placement, a
+second run) and the host placement takes whole rows.
 
 Imports numpy and onnxruntime only.
 """
