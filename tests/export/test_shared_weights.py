@@ -188,6 +188,8 @@ def test_the_runtime_gives_one_buffer_to_both_sessions(monkeypatch: pytest.Monke
     given.clear()
     old = Runtime(exported("old"))
     assert old.shared_weights == {"encoder": {}, "decoder": {}}
+    # nothing to pre-pack there (no tied table): ModelInfo's packed_weights says so
+    assert old.pack_weights and not old.describe()["pack_weights"]
     assert given == {"encoder.onnx": {}, "decoder.onnx": {}}
 
 

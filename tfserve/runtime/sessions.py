@@ -120,18 +120,17 @@ class Runtime:
                                  and loads_rewritten_graphs())
         cpu = self.device_kind == "cpu"
         self.pack_weights = cpu if pack_weights is None else pack_weights and cpu
-        # whether the decoder's tied table becomes a constant ONNX Runtime pre-packs (graph
-        # revision 8 lists it as an input; an ONNX Runtime that reads graphs as bytes)
-        self._packs_table = (self.pack_weights and not self.encoder_only
-                             and self.manifest.provenance.get("graph_revision", 1)
-                             >= SHARED_TABLE_REVISION and reads_graph_bytes())
+        # the decoder graph as this runtime runs it, and whether its tied table became a
+        # constant ONNX Runtime pre-packs
+        decoder_bytes, self._packs_table = ((None, False) if self.encoder_only
+                                            else self._decoder_bytes(graph_files[1]))
         # the decoder first, so that pre-packing its projection comes before the encoder's
         # weights add to the peak; the tied table's pages leave the process as packing reads
         # them (the projection reads its packed copy, the embedding lookups a row per token:
         # tfserve.runtime.shared_weights)
         with mapped.dropping_pages() if self._packs_table else nullcontext():
             self.decoder = None if self.encoder_only else _load_graph(
-                graph_files[1], session_args, shared[1], self._decoder_bytes(graph_files[1]))
+                graph_files[1], session_args, shared[1], decoder_bytes)
         self.encoder = _load_graph(graph_files[0], session_args, shared[0])
         # the session that tells the providers and threads (the decoder's, where there is one)
         self._session = self.decoder or self.encoder
@@ -171,10 +170,12 @@ class Runtime:
             # the check stepped at the last target position: a bucket serving rarely needs
             self.cache_storage.drop_pool()
 
-    def _decoder_bytes(self, path: Path) -> bytes | None:
+    def _decoder_bytes(self, path: Path) -> tuple[bytes | None, bool]:
         """The decoder graph rewritten for how this runtime runs it (None: the file as it
         is): cache_rows where it reorders in the step, the static cache's buffers where it
-        keeps one, its tied table constant where it pre-packs weights."""
+        keeps one, its tied table constant where it pre-packs weights (graph revision 8
+        lists the table as an input; an ONNX Runtime that reads graphs as bytes); and whether
+        that last rewrite was made."""
         model = None
         if self.static_cache:
             cfg = self.config
@@ -183,11 +184,12 @@ class Runtime:
                                    cfg.head_dim)
         elif self.reorders_in_step:  # and the step's sampling draws, in the same run
             model = rewritten_decoder(path, self._past_names, self.decoder_outputs[0])
-        if self._packs_table:
+        revision = self.manifest.provenance.get("graph_revision", 1)
+        if self.pack_weights and revision >= SHARED_TABLE_REVISION and reads_graph_bytes():
             packed, names = constant_weights(path.read_bytes() if model is None else model)
             if names:
-                model = packed
-        return model
+                return packed, True
+        return model, False
 
     def _check_against_graphs(self, encoder_facts: GraphFacts,
                               decoder_facts: GraphFacts | None) -> None:
@@ -349,8 +351,9 @@ class Runtime:
             "providers": self._session.get_providers(),
             "intra_op_threads": self._session.get_session_options().intra_op_num_threads,
             "dtype": self.manifest.dtype,
-            # the tied projection's weight pre-packed (tfserve.runtime.packed_weights)
-            "pack_weights": self.pack_weights,
+            # the tied projection's weight pre-packed (tfserve.runtime.packed_weights): asked
+            # for, and a decoder whose tied table can be made a constant
+            "pack_weights": self._packs_table,
             # the self-attention cache: "static" (buffers per bucket written in place,
             # tfserve.runtime.static_cache) or "dynamic" (a tensor per step)
             "kv_cache": "static" if self.static_cache else "dynamic",
