@@ -275,12 +275,17 @@ class StaticCache(DeviceCache):
         return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.dtype), self.memory,
                                                 self.index)
 
+    def _pooled(self, pool: list[Any], shape: tuple[int, int]
+                ) -> Any:
+        """What `pool` keeps for buffers of `shape` (rows, columns), taken out of it (None:
+        nothing)."""
+        with self._pool_lock:
+            position = next((i for i, (kept, _) in enumerate(pool) if kept == shape), None)
+            return pool.pop(position)[1] if position is not None else None
+
     def _take(self, rows: int, length: int, group: int) -> _Buffers:
         """A pair of buffer sets [R,H,L,Dh] from the pool, or new ones."""
-        with self._pool_lock:
-            position = next((i for i, (shape, _) in enumerate(self._pool)
-                             if shape == (rows, length)), None)
-            sets = self._pool.pop(position)[1] if position is not None else None
+        sets = self._pooled(self._pool, (rows, length))
         if sets is None:
             self.buckets_made += 1
             shape = (rows, self.heads, length, self.head_dim)  # [R,H,L,Dh]
@@ -291,10 +296,7 @@ class StaticCache(DeviceCache):
 
     def _take_cross(self, rows: int, length: int) -> _CrossBuffers:
         """Cross buffers [Rc,H,Sc,Dh] from the pool, or new ones."""
-        with self._pool_lock:
-            position = next((i for i, (shape, _) in enumerate(self._cross_pool)
-                             if shape == (rows, length)), None)
-            values = self._cross_pool.pop(position)[1] if position is not None else None
+        values = self._pooled(self._cross_pool, (rows, length))
         if values is None:
             self.cross_buckets_made += 1
             shape = (rows, self.heads, length, self.head_dim)  # [Rc,H,Sc,Dh]
