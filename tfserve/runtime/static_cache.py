@@ -275,8 +275,7 @@ class StaticCache(DeviceCache):
         return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.dtype), self.memory,
                                                 self.index)
 
-    def _pooled(self, pool: list[Any], shape: tuple[int, int]
-                ) -> Any:
+    def _pooled(self, pool: list[Any], shape: tuple[int, int]) -> Any:
         """What `pool` keeps for buffers of `shape` (rows, columns), taken out of it (None:
         nothing)."""
         with self._pool_lock:
