@@ -256,10 +256,8 @@ class StaticCache(DeviceCache):
                 f"the static KV cache holds {self.max_length} positions "
                 f"(model.max_target_positions); a row needs {length}"
             )
-        bucket = min(self.LENGTH, self.max_length)
-        while bucket < length:
-            bucket = min(bucket * 2, self.max_length)
-        return bucket
+        # doubled from LENGTH, the last bucket cut to max_length
+        return min(self._doubled(min(self.LENGTH, self.max_length), length), self.max_length)
 
     @staticmethod
     def _doubled(first: int, size: int) -> int:
@@ -474,7 +472,7 @@ class StaticCache(DeviceCache):
         present = StaticPast(target, place.astype(np.int64), target.generation)
         # inside DeviceCache.logits_kept(), a step that does not fetch its logits leaves
         # them for `draw`: the bucket's [R,1,V], whose rows are the decoder's (`place`)
-        kept = getattr(self, "_keep_logits", False) and not need_logits
+        kept = self._keep_logits and not need_logits
         self.step_logits = replay.outputs[outputs[0]] if kept else None
         self._step_place = place if kept else None
         tops = [self._fetch_rows(replay.outputs[name], place) for name in top_outputs]
