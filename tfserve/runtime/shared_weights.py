@@ -5,7 +5,7 @@ token embedding, equal position tables) once, in one external data file that bot
 files name at the same offset (`export.graphs.store_weights_externally`). Each ONNX Runtime
 session would map those bytes for itself: two mappings of one file, which count twice in
 the process's resident memory wherever both sessions touch them. Here the bytes are mapped
-once (a read-only numpy memmap: file-backed pages, loaded as they are read) and the one
+once (a read-only file mapping: file-backed pages, loaded as they are read) and the one
 OrtValue over them is handed to every session that names them
 (`SessionOptions.add_initializer`), so the process holds one copy.
 
@@ -108,12 +108,12 @@ class SharedInitializers:
     for every graph naming the same bytes), and the file mappings under them."""
 
     per_graph: list[dict[str, ort.OrtValue]]
-    mappings: list[np.memmap] = field(default_factory=list)
+    mappings: list[mmap.mmap] = field(default_factory=list)
 
     def drop_resident_pages(self) -> None:
         """Let the pages read so far go from the process's resident memory (they are read
         again from the file, through the page cache, when next touched)."""
-        self._advise(mmap.MADV_DONTNEED)
+        self._advise(getattr(mmap, "MADV_DONTNEED", None))
 
     def read_in_rows(self) -> None:
         """From now on the mappings are read a row at a time: no read-ahead around a lookup,
@@ -122,12 +122,11 @@ class SharedInitializers:
         self._advise(getattr(mmap, "MADV_RANDOM", None))
 
     def _advise(self, advice: int | None) -> None:
-        if advice is None:  # not on Linux
+        if advice is None:  # a platform without this advice
             return
-        for array in self.mappings:
-            handle = getattr(array, "_mmap", None)  # numpy's mmap.mmap under the memmap
-            if handle is not None and hasattr(handle, "madvise"):
-                handle.madvise(advice)
+        for mapping in self.mappings:
+            if hasattr(mapping, "madvise"):  # not on Windows
+                mapping.madvise(advice)
 
     @contextmanager
     def dropping_pages(self, period_s: float = DROP_PERIOD_S) -> Iterator[None]:
@@ -167,7 +166,7 @@ def shared_initializers(graphs: Sequence[Path]) -> SharedInitializers:
     for number, (path, tensors) in enumerate(zip(graphs, declared)):
         for tensor in tensors:
             holders.setdefault(_key(path, tensor), set()).add(number)
-    values: dict[tuple[Path, int, int], tuple[ort.OrtValue, np.memmap] | None] = {}
+    values: dict[tuple[Path, int, int], tuple[ort.OrtValue, mmap.mmap] | None] = {}
     shared = SharedInitializers([{} for _ in graphs])
     for number, (path, tensors) in enumerate(zip(graphs, declared)):
         for tensor in tensors:
@@ -189,7 +188,7 @@ def _key(graph: Path, tensor: ExternalTensor) -> tuple[Path, int, int]:
     return (graph.parent / tensor.location).resolve(), tensor.offset, tensor.length
 
 
-def _mapped(file: Path, tensor: ExternalTensor) -> tuple[ort.OrtValue, np.memmap] | None:
+def _mapped(file: Path, tensor: ExternalTensor) -> tuple[ort.OrtValue, mmap.mmap] | None:
     """An OrtValue over the tensor's bytes in `file`, mapped read-only, and the mapping (None
     when they do not make the tensor the graph declares)."""
     dtype = NUMPY_TYPES.get(tensor.data_type)
@@ -201,10 +200,15 @@ def _mapped(file: Path, tensor: ExternalTensor) -> tuple[ort.OrtValue, np.memmap
     try:
         if tensor.offset + tensor.length > file.stat().st_size:
             return None
-        array = np.memmap(file, dtype=dtype, mode="r", offset=tensor.offset,
-                          shape=tensor.dims)
+        # a mapping starts at a multiple of the allocation granularity
+        start = tensor.offset - tensor.offset % mmap.ALLOCATIONGRANULARITY
+        with file.open("rb") as handle:
+            mapping = mmap.mmap(handle.fileno(), tensor.offset + tensor.length - start,
+                                access=mmap.ACCESS_READ, offset=start)
+        array = np.frombuffer(mapping, dtype, count, tensor.offset - start)
     except (OSError, ValueError):
         return None
-    # the OrtValue keeps the memmap alive and reads its pages where they are (no copy)
-    return ort.OrtValue.ortvalue_from_numpy(array), array
+    # the OrtValue keeps the array, and the array the mapping, alive; it reads the pages
+    # where they are (no copy)
+    return ort.OrtValue.ortvalue_from_numpy(array.reshape(tensor.dims)), mapping
 
