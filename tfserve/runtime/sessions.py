@@ -74,6 +74,8 @@ class Runtime:
         self.directory = Path(artifacts_dir)
         self.manifest = Manifest.load(self.directory)
         self.config = cfg = self.manifest.config
+        # how export built the graphs (artifacts.manifest.GRAPH_REVISION; 1: before it said)
+        self.graph_revision = self.manifest.provenance.get("graph_revision", 1)
         self.tokenizer = Tokenizer(self.directory, self.manifest.tokenizer)
         self.device = device
         self.device_kind, self.device_index = parse_device(device)
@@ -142,8 +144,7 @@ class Runtime:
         if len(self.top_outputs) != len(TOP_OUTPUTS):
             self.top_outputs = []
         # the decoder takes cross K/V with one row per group of G rows (a sentence's beams)
-        revision = self.manifest.provenance.get("graph_revision", 1)
-        self.grouped_cross = revision >= GROUPED_CROSS_REVISION
+        self.grouped_cross = self.graph_revision >= GROUPED_CROSS_REVISION
         self.vocab_size = cfg.vocab_size
         self.eos_token_id = cfg.eos_token_id
         self.pad_token_id = cfg.pad_token_id
@@ -184,8 +185,8 @@ class Runtime:
                                    cfg.head_dim)
         elif self.reorders_in_step:  # and the step's sampling draws, in the same run
             model = rewritten_decoder(path, self._past_names, self.decoder_outputs[0])
-        revision = self.manifest.provenance.get("graph_revision", 1)
-        if self.pack_weights and revision >= SHARED_TABLE_REVISION and reads_graph_bytes():
+        if (self.pack_weights and self.graph_revision >= SHARED_TABLE_REVISION
+                and reads_graph_bytes()):
             packed, names = constant_weights(path.read_bytes() if model is None else model)
             if names:
                 return packed, True
