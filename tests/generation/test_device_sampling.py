@@ -18,6 +18,7 @@ from schedules import Request, run
 from test_sampling_candidates import same_events
 
 from tests.exported import artifacts
+from tests.waves import sources
 from tfserve.bench.step_profile import search_profile
 from tfserve.generation import DecodingOptions, Hypothesis, make_search, score_rows
 from tfserve.generation.batch import BatchRunError, DecodeBatch, generate
@@ -48,13 +49,6 @@ def step_counter(runtime: Runtime) -> list[bool]:
     runtime.step = lambda *args, **kwargs: (  # type: ignore[method-assign]
         asked.append(kwargs.get("need_logits", True)) or step(*args, **kwargs))
     return asked
-
-
-def sources(runtime: Runtime, lengths: list[int], seed: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    rows = [rng.integers(3, runtime.vocab_size, size=n).tolist() + [runtime.eos_token_id]
-            for n in lengths]
-    return runtime.tokenizer.pad_batch(rows)
 
 
 def same_hypotheses(got: list[list[Hypothesis]], want: list[list[Hypothesis]]) -> None:

@@ -9,59 +9,30 @@ import onnxruntime as ort
 import pytest
 
 from tests.exported import artifacts
+from tests.waves import decode_waves, sources
 from tfserve.generation import DecodingOptions, Hypothesis, make_search
-from tfserve.generation.batch import DecodeBatch, Joining
+from tfserve.generation.batch import DecodeBatch
 from tfserve.runtime import Runtime
 from tfserve.runtime.step_graph import CACHE_ROWS, rewritten_decoder
 
-
-def sources(runtime: Runtime, lengths: list[int], seed: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    rows = [rng.integers(3, runtime.vocab_size, size=n).tolist() + [runtime.eos_token_id]
-            for n in lengths]
-    return runtime.tokenizer.pad_batch(rows)
+MIXED = [
+    DecodingOptions(max_new_tokens=9, num_beams=3, num_return_sequences=2),
+    DecodingOptions(max_new_tokens=7),
+    DecodingOptions(max_new_tokens=9, num_beams=4, length_penalty=0.6),
+    DecodingOptions(max_new_tokens=6, do_sample=True, top_k=5, seed=3),
+    DecodingOptions(max_new_tokens=8, num_beams=2, min_new_tokens=4),
+    DecodingOptions(max_new_tokens=5, num_beams=3),
+    DecodingOptions(max_new_tokens=9, num_beams=2, early_stopping=True),
+]
 
 
 def run_mixed(runtime: Runtime) -> tuple[dict[int, list[Hypothesis]], list[int]]:
     """Greedy, beam and sampling searches joining a running batch in three waves (the last
     while others are mid-decode, one cancelled): each source's hypotheses, and the runs of
     each step."""
-    ids, mask = sources(runtime, [5, 3, 8, 2, 6, 4, 7], seed=11)
-    options = [
-        DecodingOptions(max_new_tokens=9, num_beams=3, num_return_sequences=2),
-        DecodingOptions(max_new_tokens=7),
-        DecodingOptions(max_new_tokens=9, num_beams=4, length_penalty=0.6),
-        DecodingOptions(max_new_tokens=6, do_sample=True, top_k=5, seed=3),
-        DecodingOptions(max_new_tokens=8, num_beams=2, min_new_tokens=4),
-        DecodingOptions(max_new_tokens=5, num_beams=3),
-        DecodingOptions(max_new_tokens=9, num_beams=2, early_stopping=True),
-    ]
-    options = [o.validate(runtime.max_target_positions - 1) for o in options]
-    batch = DecodeBatch(runtime)
-
-    def join(rows: list[int]) -> None:
-        _, cross = runtime.encode(ids[rows], mask[rows])
-        searches = [make_search(options[r], runtime.eos_token_id,
-                                runtime.decoder_start_token_id) for r in rows]
-        batch.join([Joining(searches, rows, cross, mask[rows])])
-
-    results: dict[int, list[Hypothesis]] = {}
     runs: list[int] = []
-    join([0, 1, 2])
-    for step in range(40):
-        if step == 2:
-            join([3, 4])
-        if step == 4:
-            join([5, 6])
-        if step == 5:
-            removed = batch.remove({6})  # cancelled between steps, mid-decode
-            assert len(removed) == 1
-        before = runtime.counters.runs
-        for tag, search in batch.step():
-            results[tag] = search.results()
-        runs.append(runtime.counters.runs - before)
-        if not len(batch):
-            break
+    results = decode_waves(runtime, MIXED, [5, 3, 8, 2, 6, 4, 7],
+                           {0: [0, 1, 2], 2: [3, 4], 4: [5, 6]}, {5: 6}, seed=11, runs=runs)
     return results, runs
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.exported import artifacts
+from tests.waves import decode_waves, sources
 from tfserve.generation import DecodingOptions, Hypothesis, make_search
 from tfserve.generation.batch import DecodeBatch, Joining
 from tfserve.runtime import Runtime
@@ -29,52 +30,16 @@ OPTIONS = [
 ]
 
 
-def sources(runtime: Runtime, lengths: list[int], seed: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    rows = [
-        rng.integers(3, runtime.vocab_size, size=n).tolist() + [runtime.eos_token_id]
-        for n in lengths
-    ]
-    return runtime.tokenizer.pad_batch(rows)
-
-
 def run_waves(
     runtime: Runtime, seed: int = 11, runs: list[int] | None = None
 ) -> dict[int, list[Hypothesis]]:
     """Greedy, beam and seeded sampling searches joining a running batch in four waves (the
     later ones while others are mid-decode), one cancelled, others finishing and leaving
     between the waves: each source's hypotheses. runs: the ONNX Runtime runs of each step."""
-    ids, mask = sources(runtime, [5, 3, 8, 2, 6, 4, 7, 3], seed=seed)
-    options = [o.validate(runtime.max_target_positions - 1) for o in OPTIONS]
-    batch = DecodeBatch(runtime)
-
-    def join(rows: list[int]) -> None:
-        _, cross = runtime.encode(ids[rows], mask[rows])
-        searches = [
-            make_search(options[r], runtime.eos_token_id, runtime.decoder_start_token_id)
-            for r in rows
-        ]
-        batch.join([Joining(searches, rows, cross, mask[rows])])
-
-    results: dict[int, list[Hypothesis]] = {}
-    join([0, 1, 2])
-    for step in range(40):
-        if step == 2:
-            join([3, 4])
-        if step == 4:
-            join([5, 6])
-        if step == 5:
-            assert len(batch.remove({6})) == 1  # cancelled between steps, mid-decode
-        if step == 8:
-            join([7])  # after rows 1 and 5 finished: into the rows they left
-        before = runtime.counters.runs
-        for tag, search in batch.step():
-            results[tag] = search.results()
-        if runs is not None:
-            runs.append(runtime.counters.runs - before)
-        if not len(batch):
-            break
-    return results
+    # step 8: after rows 1 and 5 finished, into the rows they left
+    waves = {0: [0, 1, 2], 2: [3, 4], 4: [5, 6], 8: [7]}
+    return decode_waves(runtime, OPTIONS, [5, 3, 8, 2, 6, 4, 7, 3], waves, {5: 6}, seed,
+                        runs=runs)
 
 
 def assert_same(got: dict[int, list[Hypothesis]], expected: dict[int, list[Hypothesis]]) -> None:

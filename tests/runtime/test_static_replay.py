@@ -13,8 +13,8 @@ import onnxruntime as ort
 import pytest
 
 from tests.exported import artifacts
-from tfserve.generation import DecodingOptions, Hypothesis, make_search
-from tfserve.generation.batch import DecodeBatch, Joining
+from tests.waves import decode_waves, sources
+from tfserve.generation import DecodingOptions, Hypothesis
 from tfserve.runtime import Runtime
 from tfserve.runtime.static_cache import StaticCache, StaticCross
 
@@ -76,43 +76,14 @@ def watch_decoder(runtime: Runtime, record: Bindings, monkeypatch) -> None:
     monkeypatch.setattr(runtime.decoder, "run_with_iobinding", spy)
 
 
-def sources(runtime: Runtime, lengths: list[int], seed: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    rows = [rng.integers(3, runtime.vocab_size, size=n).tolist() + [runtime.eos_token_id]
-            for n in lengths]
-    return runtime.tokenizer.pad_batch(rows)
-
-
 def decode(runtime: Runtime, options: list[DecodingOptions], lengths: list[int],
            waves: dict[int, list[int]], cancel: dict[int, int], rows: list[int] | None = None
            ) -> dict[int, list[Hypothesis]]:
-    """Sources of `lengths` joining a running batch at the steps of `waves` (step -> the
-    sources), source `cancel[step]` cancelled before that step: each source's hypotheses.
-    rows: the batch's rows at each step."""
-    ids, mask = sources(runtime, lengths, seed=5)
-    options = [o.validate(runtime.max_target_positions - 1) for o in options]
-    batch = DecodeBatch(runtime)
-    results: dict[int, list[Hypothesis]] = {}
-    for step in range(40):
-        if step in waves:
-            wave = waves[step]
-            width = int(mask[wave].sum(axis=1).max())  # the wave's own longest source
-            wave_ids, wave_mask = ids[wave, :width], mask[wave, :width]  # [N,S]
-            _, cross = runtime.encode(wave_ids, wave_mask)
-            searches = [make_search(options[r], runtime.eos_token_id,
-                                    runtime.decoder_start_token_id) for r in wave]
-            batch.join([Joining(searches, wave, cross, wave_mask)])
-        if step in cancel:
-            assert len(batch.remove({cancel[step]})) == 1
-        if not len(batch):
-            if step > max(waves):
-                break
-            continue
-        if rows is not None:
-            rows.append(batch.rows)
-        for tag, search in batch.step():
-            results[tag] = search.results()
-    return results
+    """Sources of `lengths` joining a running batch at the steps of `waves`, each wave
+    encoded at its own longest source's width (decode_waves). rows: the batch's rows at
+    each step."""
+    return decode_waves(runtime, options, lengths, waves, cancel, seed=5, own_width=True,
+                        rows=rows)
 
 
 def assert_same(got: dict[int, list[Hypothesis]], expected: dict[int, list[Hypothesis]]
