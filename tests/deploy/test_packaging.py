@@ -88,9 +88,12 @@ def copy_source_tree(dest: Path) -> Path:
 
 
 def build_backend(call: str, source: Path, out: Path, python: Path) -> Path:
-    """setuptools.build_meta.<call>(out) in source, run by python (a build environment's)."""
+    """setuptools.build_meta.<call>(out) in source, run by python (a build environment's).
+    Every warning is an error (-W error): setuptools announces a configuration it will stop
+    accepting (a TOML-table `project.license`, say) with a deprecation warning, months before
+    the build breaks, and the build should fail on the day of the warning instead."""
     out.mkdir(parents=True, exist_ok=True)
-    done = run([python, "-c",
+    done = run([python, "-W", "error", "-c",
                 "import sys; from setuptools import build_meta; "
                 f"print(build_meta.{call}(sys.argv[1]))", out], cwd=source)
     return out / done.stdout.strip().splitlines()[-1]
@@ -376,6 +379,16 @@ def test_wheel_ships_the_stubs_and_needs_no_build_tools(built: Built, work: Path
     proto_build.check_floors(requirements, work / "wheel" / "tfserve" / "proto")
     needed = proto_build.needed_runtime(work / "wheel" / "tfserve" / "proto")
     assert set(needed) == {"grpcio", "protobuf"}
+
+
+def test_wheel_declares_its_licence_as_spdx_and_ships_the_text(built: Built) -> None:
+    # PEP 639: an SPDX expression and the licence file, not the deprecated TOML table
+    assert "License-Expression: Apache-2.0" in built.metadata.splitlines()
+    assert "License-File: LICENSE" in built.metadata.splitlines()
+    with zipfile.ZipFile(built.wheel) as wheel:
+        licences = [n for n in wheel.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+        assert licences, "the wheel carries no LICENSE"
+        assert b"Apache License" in wheel.read(licences[0])
 
 
 def test_sdist_carries_the_proto_sources_and_the_stubs(built: Built) -> None:
