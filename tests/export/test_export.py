@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -310,13 +311,36 @@ def test_out_exists_without_force(tmp_path: Path) -> None:
     assert (tmp_path / "o" / "keep.txt").read_text() == "mine"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
-def test_unwritable_out(tmp_path: Path) -> None:
+@pytest.fixture
+def unwritable_directory(tmp_path: Path) -> Iterator[Path]:
+    """An existing directory the test's user (and so the export it starts) cannot write in.
+    For a user, a directory without write permission; root writes through permissions, so
+    for root a read-only bind mount of one (a read-only filesystem refuses root too)."""
     locked = tmp_path / "locked"
     locked.mkdir()
-    locked.chmod(0o500)
-    result = run_export("--checkpoint", str(checkpoint()), "--out", str(locked / "o"))
-    assert_usage_error(result, "not writable")
+    if os.geteuid() != 0:
+        locked.chmod(0o500)
+        yield locked
+        locked.chmod(0o700)
+        return
+    bind = subprocess.run(["mount", "--bind", str(locked), str(locked)], capture_output=True,
+                          text=True)
+    if bind.returncode != 0:
+        pytest.skip(f"running as root and cannot bind-mount: {bind.stderr.strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(locked)], check=True,
+                       capture_output=True)
+        yield locked
+    finally:
+        subprocess.run(["umount", str(locked)], check=True)
+
+
+def test_unwritable_out(unwritable_directory: Path) -> None:
+    assert not os.access(unwritable_directory, os.W_OK)  # what the test is about
+    out = unwritable_directory / "o"
+    result = run_export("--checkpoint", str(checkpoint()), "--out", str(out))
+    assert_usage_error(result, f"directory {unwritable_directory} is not writable")
+    assert not out.exists()
 
 
 def test_unwritable_out_as_file(tmp_path: Path) -> None:
