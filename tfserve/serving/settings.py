@@ -129,6 +129,12 @@ SERVER_SETTINGS: tuple[Setting, ...] = (
             "uvloop, asyncio, or auto (uvloop when installed)"),
     *declared_in(SchedulerConfig, "max_queue"),
     Setting("max_texts_per_request", int, DEFAULT_MAX_TEXTS, "inputs per request", (1, 100_000)),
+    # a document's limits (tfserve.text.documents.DocumentLimits is built from these two)
+    Setting("max_document_characters", int, 1_000_000, "characters per text split into "
+            "sentences (a document: split_sentences, the default), and per text of Detect",
+            (1, 2**31 - 1)),
+    Setting("max_document_sentences", int, 10_000, "sentences (rows of the batch) a request's "
+            "documents may be split into, all its texts together", (1, 10_000_000)),
     # grpc takes a signed 32-bit length
     Setting("max_message_bytes", int, 16 * 1024 * 1024, "largest message received or sent "
             "(gRPC messages, HTTP request bodies and answers)", (1024, 2**31 - 1)),
