@@ -120,6 +120,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                     help="native checkpoint for --eager (default: the bundled demo)")
     tr.add_argument("--scores", action="store_true", help="print 'score<TAB>text'")
     tr.add_argument("--json", action="store_true", help="print one JSON object per text")
+    from tfserve.bulk.command import add_arguments as add_corpus_arguments
+
+    add_corpus_arguments(tr)  # --input/--output/--ray: a corpus job (docs/bulk.md)
 
     enc = sub.add_parser("encode", help="sentence embeddings (JSON lines)",
                          description="Encoder embeddings: one JSON object per input line, in "
@@ -201,6 +204,11 @@ def print_translations(args: argparse.Namespace, texts: Sequence[str],
 
 def cmd_translate(args: argparse.Namespace) -> None:
     check_model_name(args)
+    if args.input or args.output or args.ray:  # a corpus job, streamed (docs/bulk.md)
+        from tfserve.bulk.command import run as run_corpus
+
+        run_corpus(args, decoding_kwargs(args), program_name())
+        return
     texts = read_texts(args)
     kwargs = decoding_kwargs(args)
     if args.server:
