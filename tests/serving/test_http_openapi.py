@@ -237,4 +237,4 @@ if schemathesis is not None:
         case.call_and_validate(additional_checks=[refused_only_for_model_rules])
 else:
     def test_schemathesis_finds_the_document_true() -> None:
-        pytest.skip("needs schemathesis (pip install -e '.[dev]')")
+        pytest.skip("needs schemathesis (pip install -e '.[ecosystem]')")

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(
            "(Debian: apt-get install chromium chromium-driver)")
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed "
-                                "(pip install -e '.[dev]')")
+                                "(pip install -e '.[ecosystem]')")
 from selenium.common.exceptions import (  # noqa: E402
     NoSuchElementException,
     StaleElementReferenceException,
