@@ -79,8 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --server: calls in flight at once (default 4 per address)")
     group.add_argument("--progress", choices=("auto", "bar", "log", "none"), default="auto",
                        help="on standard error: a bar on a terminal, a log line every "
-                       "--progress-interval seconds otherwise (auto)")
-    group.add_argument("--progress-interval", type=float, default=30.0, metavar="SECONDS")
+                       "--progress-interval seconds otherwise")
+    group.add_argument("--progress-interval", type=float, default=30.0, metavar="SECONDS",
+                       help="seconds between two progress log lines")
     group.add_argument("--split-sentences", action="store_true",
                        help="split each line into sentences, translate them and join them "
                        "back (for lines that hold paragraphs; off: a corpus line is "
@@ -95,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ray.add_argument("--ray-cpus", type=float, default=1.0, metavar="N",
                      help="CPUs per actor: its ONNX Runtime threads (default 1)")
     ray.add_argument("--ray-gpus", type=float, default=0.0, metavar="N",
-                     help="GPUs per actor (1: each actor runs its model on its own GPU)")
+                     help="GPUs per actor (default 0; 1: a GPU of its own per actor)")
 
 
 def wanted(args: argparse.Namespace) -> bool:
@@ -217,7 +218,7 @@ def run(args: argparse.Namespace, decoding: dict[str, Any], prog: str = "tfserve
         finally:
             if to_file:
                 sink.close()
-            if stream is not None and stream is not sys.stdin.buffer:
+            if stream is not None and from_file:  # standard input stays open
                 stream.close()
         return summary
     finally:

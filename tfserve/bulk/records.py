@@ -135,13 +135,15 @@ def read_parquet(path: str, text_field: str, start_row: int = 0,
     if text_field not in parquet.schema_arrow.names:
         raise ValueError(f"{path}: no column {text_field!r} (columns: "
                          f"{parquet.schema_arrow.names}; --text-field names it)")
-    groups, row = [], 0
+    groups, row, first_row = [], 0, 0  # first_row: the row the first kept group starts at
     for index in range(parquet.num_row_groups):
         rows = parquet.metadata.row_group(index).num_rows
         if row + rows > start_row:
             groups.append(index)
         else:
-            row += rows
+            first_row += rows
+        row += rows
+    row = first_row
     for batch in parquet.iter_batches(batch_size=batch_rows, row_groups=groups):
         for values in batch.to_pylist():
             row += 1
