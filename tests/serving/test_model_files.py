@@ -242,7 +242,13 @@ def test_model_json_linked_inside_a_model_dir_loads(tmp_path: Path,
     assert Manifest.load(directory).config.vocab_size == VOCAB_SIZE
     with ServerThread(model_args(directory)) as server, \
             Client(server.target, timeout=60) as client:
-        assert client.translate(["seven"], max_new_tokens=2)
+        served = [list(h.token_ids) for h in client.translate_hypotheses(["seven"],
+                                                                   max_new_tokens=4)[0]]
+    from tfserve.translator import Translator
+
+    offline = Translator(random_model, intra_op_threads=1).translate_hypotheses(
+        ["seven"], max_new_tokens=4)
+    assert served == [list(h.token_ids) for h in offline[0]]  # the model the link leads to
 
 
 def test_model_json_linked_outside_a_repository_model_is_refused_unread(

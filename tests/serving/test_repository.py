@@ -769,7 +769,10 @@ def test_the_poller_finds_a_new_model(tmp_path: Path, random_model: Path) -> Non
         shutil.copytree(random_model, repository / ".beta-incoming")  # hidden while copied
         (repository / ".beta-incoming").rename(repository / "beta")
         server.wait_until(lambda: server.repository.loaded("beta") is not None)
-        assert client.translate(["seven"], model="beta", max_new_tokens=2)
+        assert [h[0].token_ids for h in client.translate_hypotheses(
+            ["seven"], model="beta", max_new_tokens=2)] == offline(random_model, ["seven"],
+                                                                   max_new_tokens=2)
+        assert client.model_info(model="beta").model == "beta"
 
 
 def test_an_empty_repository_serves_once_a_model_is_added(tmp_path: Path,
