@@ -20,6 +20,7 @@ import grpc
 import pytest
 from server_helpers import (
     ROOT,
+    ProcessGate,
     ServerProcess,
     ServerThread,
     free_port,
@@ -82,7 +83,10 @@ try:
             print("streaming", flush=True)
             if mode.startswith("cancel"):
                 stream.cancel()
+                print("cancelled", flush=True)
                 break
+    else:
+        print("OK", flush=True)
 except grpc.RpcError as exc:
     print(exc.code().name, flush=True)
 """
@@ -91,37 +95,63 @@ except grpc.RpcError as exc:
 def test_streams_that_end_early_never_take_the_server_down(model: Path) -> None:
     """Greedy and sampling streams cancelled by the client, ended by their deadline, or whose
     client process is killed mid-stream, in a loop: the server process lives on and answers
-    correctly (before, the first such stream killed it with SIGSEGV)."""
-    server = ServerProcess(server_args(model, "--max-batch-size", "8"))
-    try:
-        target = server.wait_serving()
-        modes = ["cancel", "cancel-sample", "deadline", "deadline-sample", "kill", "kill-sample"]
-        for round_ in range(3):
-            clients = []
-            for mode in modes:
-                clients.append((mode, subprocess.Popen(
+    as it did before them (before, the first such stream killed it with SIGSEGV).
+
+    Each round starts its six clients while the server's decoder steps are held (a
+    ProcessGate): the deadline streams cannot finish before their deadline, whatever the
+    machine's speed, and end DEADLINE_EXCEEDED; then the steps go on and the other streams
+    are cancelled or killed once they have a chunk."""
+    modes = ["cancel", "cancel-sample", "deadline", "deadline-sample", "kill", "kill-sample"]
+    with ProcessGate() as gate:
+        server = ServerProcess(server_args(model, "--max-batch-size", "8"), gate=gate)
+        try:
+            target = server.wait_serving()
+            with Client(target) as client:
+                before = client.translate(["seven"], max_new_tokens=5)
+            for round_ in range(3):
+                gate.hold()
+                clients = {mode: subprocess.Popen(
                     [sys.executable, "-c", CLIENT, target, mode, f"r{round_}-{mode}", str(ROOT)],
-                    stdout=subprocess.PIPE, text=True)))
-            for mode, proc in clients:
-                assert proc.stdout is not None
-                if mode.startswith("kill"):
-                    assert proc.stdout.readline().strip() == "streaming"
-                    proc.send_signal(signal.SIGKILL)
-                proc.wait(60)
-                proc.stdout.close()
-            assert server.proc.poll() is None, "".join(server.lines[-30:])
-        with Client(target) as client:
-            assert client.translate(["seven"], max_new_tokens=5) == client.translate(
-                ["seven"], max_new_tokens=5)
-        # every stream ended with exactly one access-log record
-        ids = [record["request_id"] for record in server.records()
-               if record.get("rpc") == "TranslateStream"]
-        assert sorted(ids) == sorted({f"r{r}-{m}" for r in range(3) for m in modes})
-    finally:
-        if server.proc.poll() is None:
-            server.proc.send_signal(signal.SIGTERM)
-            assert server.proc.wait(60) == 0
-        server.kill()
+                    stdout=subprocess.PIPE, text=True) for mode in modes}
+                outputs: dict[str, list[str]] = {}
+                for mode in ("deadline", "deadline-sample"):
+                    out, _ = clients[mode].communicate(timeout=60)
+                    outputs[mode] = out.split()
+                gate.release()
+                for mode, proc in clients.items():
+                    if mode.startswith("kill"):
+                        assert proc.stdout is not None
+                        assert proc.stdout.readline().strip() == "streaming"
+                        proc.send_signal(signal.SIGKILL)
+                    if mode not in outputs:
+                        out, _ = proc.communicate(timeout=60)
+                        outputs[mode] = out.split()
+                assert {mode: outputs[mode] for mode in modes} == {
+                    "cancel": ["streaming", "cancelled"],
+                    "cancel-sample": ["streaming", "cancelled"],
+                    "deadline": ["DEADLINE_EXCEEDED"], "deadline-sample": ["DEADLINE_EXCEEDED"],
+                    "kill": [], "kill-sample": []}, round_  # killed: after its first line
+                assert server.proc.poll() is None, "".join(server.lines[-30:])
+            with Client(target) as client:
+                assert client.translate(["seven"], max_new_tokens=5) == before
+            # every stream ends with exactly one access-log record (the server writes it when
+            # it has seen the stream end, which may come after the client has gone)
+            expected = sorted(f"r{r}-{m}" for r in range(3) for m in modes)
+            server.wait_for_all(lambda record: record.get("rpc") == "TranslateStream",
+                                len(expected))
+            ids = [record["request_id"] for record in server.records()
+                   if record.get("rpc") == "TranslateStream"]
+            assert sorted(ids) == expected
+            codes = {record["request_id"]: record.get("status") for record in server.records()
+                     if record.get("rpc") == "TranslateStream"}
+            assert {codes[f"r{r}-{m}"] for r in range(3) for m in ("deadline",
+                                                                   "deadline-sample")} == {
+                "DEADLINE_EXCEEDED"}
+        finally:
+            if server.proc.poll() is None:
+                server.proc.send_signal(signal.SIGTERM)
+                assert server.proc.wait(60) == 0
+            server.kill()
 
 
 # -- bad input ------------------------------------------------------------------------------
@@ -237,11 +267,30 @@ def test_two_authorization_headers_are_refused(model: Path) -> None:
 # -- faults through a running server -------------------------------------------------
 
 FAULTS = r"""
-import json, random, sys, grpc
+import contextlib, fcntl, json, os, random, socket, sys, grpc
 sys.path.insert(0, sys.argv[3])
 from tfserve.proto import load
 pb2, pb2_grpc = load()
-target, seed = sys.argv[1], int(sys.argv[2])
+target, seed, gate_path = sys.argv[1], int(sys.argv[2]), sys.argv[5]
+
+
+@contextlib.contextmanager
+def steps_held():
+    # the server's decoder steps wait while this listener is at the gate's path (a
+    # ProcessGate's): a request cannot finish before its deadline, whatever the machine's
+    # speed; one client at a time holds it (the lock), and closing lets every step go on
+    with open(gate_path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(gate_path)
+        listener.listen(64)
+        try:
+            yield
+        finally:
+            os.unlink(gate_path)
+            listener.close()
+
+
 rng = random.Random(seed)
 channel = grpc.insecure_channel(target)
 stub = pb2_grpc.TranslatorStub(channel)
@@ -272,9 +321,10 @@ for number in range(int(sys.argv[4])):
             stream.cancel()
             raise grpc.RpcError()
         elif kind == "deadline":
-            stub.Translate(pb2.TranslateRequest(texts=[text], request_id=request_id,
-                options=pb2.DecodingOptions(max_new_tokens=120, min_new_tokens=120)),
-                timeout=0.05)
+            with steps_held():
+                stub.Translate(pb2.TranslateRequest(texts=[text], request_id=request_id,
+                    options=pb2.DecodingOptions(max_new_tokens=120, min_new_tokens=120)),
+                    timeout=0.3)
         else:
             response = stub.Translate(request, timeout=60)
             outcomes.append([kind, request_id, "OK", text, options.SerializeToString().hex(),
@@ -293,53 +343,62 @@ def test_random_faults_through_a_running_server(model: Path) -> None:
     """Client processes send a random mix of innocent requests, cancelled streams, deadlines,
     invalid and malformed requests and extreme options, all at once, a bounded number each.
     Invariants: the process lives; every innocent request is answered, with the answer it
-    gets alone; every request has exactly one access-log record; RSS comes back near its
-    baseline."""
-    server = ServerProcess(server_args(model, "--max-batch-size", "8"))
-    try:
-        target = server.wait_serving()
-        with Client(target) as client:  # warm up, then take the baseline
-            for text in ("seven", "twelve"):
-                client.translate([text], max_new_tokens=30)
-        baseline = rss_bytes(server.proc.pid)
-        clients = [subprocess.Popen([sys.executable, "-c", FAULTS, target, str(seed), str(ROOT),
-                                     "40"], stdout=subprocess.PIPE, text=True)
-                   for seed in range(4)]
-        outcomes = []
-        for proc in clients:
-            out, _ = proc.communicate(timeout=600)
-            assert proc.returncode == 0
-            outcomes += json.loads(out)
-        assert server.proc.poll() is None, "".join(server.lines[-30:])
-        innocent = [o for o in outcomes if o[0] in ("innocent", "beams")]
-        assert innocent and all(o[2] == "OK" for o in innocent), [
-            o for o in innocent if o[2] != "OK"]
-        with Client(target) as client:
-            for kind, _, _, text, options_hex, hypotheses in innocent:
-                options = pb2.DecodingOptions.FromString(bytes.fromhex(options_hex))
-                alone = client.translate_hypotheses(
-                    [text], max_new_tokens=options.max_new_tokens,
-                    num_beams=options.num_beams or 1,
-                    num_return_sequences=options.num_return_sequences or 1)
-                assert [list(h.token_ids) for h in alone[0]] == hypotheses, kind
-        assert {o[2] for o in outcomes if o[0] in ("invalid", "malformed", "penalty")} == {
-            "INVALID_ARGUMENT"}
-        logged: dict[str, int] = {}
-        for record in server.records():
-            if record.get("logger") == "tfserve.access":
-                logged[record["request_id"]] = logged.get(record["request_id"], 0) + 1
-        for kind, request_id, *_ in outcomes:
-            if kind == "malformed":
-                continue  # its id is inside the bytes that did not parse
-            assert logged.get(request_id) == 1, (request_id, logged.get(request_id))
-        # memory: what the requests took is given back or reused (a leak per request of the
-        # 160 would show as tens of MB)
-        assert rss_bytes(server.proc.pid) < baseline + 64 * 2**20
-    finally:
-        if server.proc.poll() is None:
-            server.proc.send_signal(signal.SIGTERM)
-            assert server.proc.wait(60) == 0
-        server.kill()
+    gets alone; each fault ends with its own status (a deadline request is sent while its
+    client holds the server's decoder steps, so it ends DEADLINE_EXCEEDED on any machine);
+    every request has exactly one access-log record; RSS comes back near its baseline."""
+    with ProcessGate() as gate:
+        server = ServerProcess(server_args(model, "--max-batch-size", "8"), gate=gate)
+        try:
+            target = server.wait_serving()
+            with Client(target) as client:  # warm up, then take the baseline
+                for text in ("seven", "twelve"):
+                    client.translate([text], max_new_tokens=30)
+            baseline = rss_bytes(server.proc.pid)
+            clients = [subprocess.Popen([sys.executable, "-c", FAULTS, target, str(seed), str(ROOT),
+                                         "40", str(gate.path)], stdout=subprocess.PIPE, text=True)
+                       for seed in range(4)]
+            outcomes = []
+            for proc in clients:
+                out, _ = proc.communicate(timeout=600)
+                assert proc.returncode == 0
+                outcomes += json.loads(out)
+            assert server.proc.poll() is None, "".join(server.lines[-30:])
+            innocent = [o for o in outcomes if o[0] in ("innocent", "beams")]
+            assert innocent and all(o[2] == "OK" for o in innocent), [
+                o for o in innocent if o[2] != "OK"]
+            with Client(target) as client:
+                for kind, _, _, text, options_hex, hypotheses in innocent:
+                    options = pb2.DecodingOptions.FromString(bytes.fromhex(options_hex))
+                    alone = client.translate_hypotheses(
+                        [text], max_new_tokens=options.max_new_tokens,
+                        num_beams=options.num_beams or 1,
+                        num_return_sequences=options.num_return_sequences or 1)
+                    assert [list(h.token_ids) for h in alone[0]] == hypotheses, kind
+            assert {o[2] for o in outcomes if o[0] in ("invalid", "malformed", "penalty")} == {
+                "INVALID_ARGUMENT"}
+            assert {o[2] for o in outcomes if o[0] == "deadline"} == {"DEADLINE_EXCEEDED"}
+            assert {o[2] for o in outcomes if o[0] == "cancel"} == {"CANCELLED"}
+            # the server writes a record when it has seen the call end, which may come after
+            # its client has gone: wait for one per request before counting them
+            ids = {request_id for kind, request_id, *_ in outcomes if kind != "malformed"}
+            server.wait_for_all(lambda record: record.get("logger") == "tfserve.access"
+                                and record.get("request_id") in ids, len(ids))
+            logged: dict[str, int] = {}
+            for record in server.records():
+                if record.get("logger") == "tfserve.access":
+                    logged[record["request_id"]] = logged.get(record["request_id"], 0) + 1
+            for kind, request_id, *_ in outcomes:
+                if kind == "malformed":
+                    continue  # its id is inside the bytes that did not parse
+                assert logged.get(request_id) == 1, (request_id, logged.get(request_id))
+            # memory: what the requests took is given back or reused (a leak per request of the
+            # 160 would show as tens of MB)
+            assert rss_bytes(server.proc.pid) < baseline + 64 * 2**20
+        finally:
+            if server.proc.poll() is None:
+                server.proc.send_signal(signal.SIGTERM)
+                assert server.proc.wait(60) == 0
+            server.kill()
 
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"),
