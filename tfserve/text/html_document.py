@@ -118,57 +118,60 @@ def _render(children: list[Node], source: str, target: str, source_start: int,
 def _project(node: Node, source: str, target: str, source_start: int, source_end: int,
              lo: int, hi: int) -> tuple[int, int]:
     """The target span of a node's source span, within target[lo:hi]."""
+    # proportional: the node's place in its parent's source span, onto the parent's target
+    scale = (hi - lo) / max(source_end - source_start, 1)
+    start = min(max(lo + round((node.start - source_start) * scale), lo), hi)
+    end = min(max(lo + round((node.end - source_start) * scale), start), hi)
     words = source[node.start:node.end].strip(_ASCII_SPACE)
     if words and node.end > node.start:
-        anchor = _anchor(words, target, lo, hi)
+        anchor = _anchor(words, target, lo, hi, start)
         if anchor is not None:
             return anchor
-    # proportional: the node's place in its parent's source span, onto the parent's target
-    span = max(source_end - source_start, 1)
-    scale = (hi - lo) / span
-    start = lo + round((node.start - source_start) * scale)
-    end = lo + round((node.end - source_start) * scale)
-    start = min(max(start, lo), hi)
-    end = min(max(end, start), hi)
     if " " not in target[lo:hi]:
         return start, end  # no word boundaries to snap to (CJK, Thai, one word)
-    start = _word_start(target, start, lo, hi)
     if node.end == node.start:
-        return start, start
-    end = max(_word_end(target, end, start, hi), start)
+        # a marker: at a word's start where the source has it after a space (or first),
+        # else at a word's end ("Three</b> four": an end tag stays on its word)
+        after_space = node.start == 0 or source[node.start - 1].isspace()
+        at = _nearest_boundary(target, start, lo, hi, word_start=after_space)
+        return at, at
+    start = _nearest_boundary(target, start, lo, hi, word_start=True)
+    end = max(_nearest_boundary(target, end, start, hi, word_start=False), start)
     if end == start and start < hi:  # a tagged word is never dropped to nothing
-        end = _word_end(target, start + 1, start, hi)
+        end = _nearest_boundary(target, start + 1, start + 1, hi, word_start=False)
+        end = max(end, start + 1)
     return start, end
 
 
-def _anchor(words: str, target: str, lo: int, hi: int) -> tuple[int, int] | None:
-    """The first occurrence of `words` in target[lo:hi] that does not cut a word."""
+def _anchor(words: str, target: str, lo: int, hi: int, near: int) -> tuple[int, int] | None:
+    """The occurrence of `words` in target[lo:hi] nearest to `near` that does not cut a word
+    (the first 16 occurrences looked at)."""
+    best = None
     at = target.find(words, lo, hi)
-    while at >= 0:
+    for _ in range(16):
+        if at < 0:
+            break
         end = at + len(words)
         before_ok = at == lo or not (target[at - 1].isalnum() and words[0].isalnum())
         after_ok = end == hi or not (target[end].isalnum() and words[-1].isalnum())
-        if before_ok and after_ok:
-            return at, end
+        if before_ok and after_ok and (best is None or abs(at - near) < abs(best - near)):
+            best = at
         at = target.find(words, at + 1, hi)
-    return None
+    return None if best is None else (best, best + len(words))
 
 
-def _word_start(target: str, at: int, lo: int, hi: int) -> int:
-    """`at` moved to the start of the word it falls in or before (past spaces)."""
-    while at > lo and not target[at - 1].isspace():
-        at -= 1
-    while at < hi and target[at].isspace():
-        at += 1
-    return at
-
-
-def _word_end(target: str, at: int, lo: int, hi: int) -> int:
-    """`at` moved to the end of the word it falls in (before the spaces after it)."""
-    while at < hi and at > lo and not target[at - 1].isspace() and not target[at].isspace():
-        at += 1
-    while at > lo and target[at - 1].isspace():
-        at -= 1
+def _nearest_boundary(target: str, at: int, lo: int, hi: int, word_start: bool) -> int:
+    """The word start (or end) in target[lo:hi] nearest to `at`."""
+    def is_boundary(position: int) -> bool:
+        if word_start:
+            return (position == lo or target[position - 1].isspace()) and \
+                (position == hi or not target[position].isspace())
+        return (position == hi or target[position].isspace()) and \
+            (position == lo or not target[position - 1].isspace())
+    for distance in range(hi - lo + 1):
+        for position in (at - distance, at + distance):
+            if lo <= position <= hi and is_boundary(position):
+                return position
     return at
 
 

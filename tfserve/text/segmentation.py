@@ -50,8 +50,7 @@ def block_spans(text: str, start: int = 0, end: int | None = None) -> Iterator[t
         brk = _BLOCK_BREAK.search(text, position, end)
         line_end = brk.start() if brk else end
         prefix = _LINE_PREFIX.match(text, position, line_end)
-        block_start = prefix.end() if prefix else position
-        block_end = _rstrip(text, block_start, line_end)
+        block_start, block_end = _strip(text, prefix.end() if prefix else position, line_end)
         if block_end > block_start:
             yield block_start, block_end
         position = brk.end() if brk else end
