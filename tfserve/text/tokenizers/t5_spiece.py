@@ -12,7 +12,6 @@ from tfserve.text.tokenizers.spiece_model import (
     CONTROL,
     UNIGRAM,
     UNKNOWN,
-    USER_DEFINED,
     parse_model,
 )
 
@@ -24,9 +23,15 @@ def t5_from_spiece(path: Path, extra_ids: int) -> Any:
     The pieces and their scores as a Unigram model (unk at the model's unk id, no byte
     fallback), then `extra_ids` sentinels <extra_id_{extra_ids-1}> .. <extra_id_0> at the
     following ids; the model's precompiled normalizer; whitespace split and '▁' word marks;
-    the model's control pieces (<pad>, </s>), its unk piece, its user-defined pieces and the
-    sentinels matched in the text and dropped from decoded text as special tokens; </s>
-    appended.
+    the model's control pieces (<pad>, </s>), its unk piece and the sentinels matched in the
+    text and dropped from decoded text as special tokens; </s> appended.
+
+    The user-defined pieces (MADLAD-400's <2xx>) stay pieces of the Unigram model, as
+    SentencePiece treats them and as transformers >= 5.25 converts them: "<2fr> the cat" is
+    ['▁', '<2fr>', '▁the', '▁cat', '</s>'], the ids MADLAD was trained on (T5X encodes its
+    inputs with SentencePiece itself), and decoding keeps "<2fr>" as text. transformers <= 5.24
+    matched them as special added tokens, which drops the '▁' before them and restarts the
+    word after them (['<2fr>', '▁the', '▁cat', '</s>']).
     """
     from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers, processors
     from tokenizers import Tokenizer as HFTokenizer
@@ -60,7 +65,7 @@ def t5_from_spiece(path: Path, extra_ids: int) -> Any:
                                            split=True)
     # transformers lists the control and user-defined pieces (MADLAD's <2xx>) among
     # T5Tokenizer's special tokens
-    special = [p.piece for p in proto.pieces if p.type in (UNKNOWN, CONTROL, USER_DEFINED)]
+    special = [p.piece for p in proto.pieces if p.type in (UNKNOWN, CONTROL)]
     tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                   for t in special + sentinels])
     eos = proto.trainer_spec.eos_piece or "</s>"
