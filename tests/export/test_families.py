@@ -151,6 +151,30 @@ def test_decoding_matches_auto_tokenizer(name, checkpoints):
         assert ours.decode([code, 5, 6]) == ours.decode([5, 6])
 
 
+@pytest.mark.parametrize("name", fh.FAMILIES)
+def test_ids_without_a_piece_decode_as_the_family_does(name, checkpoints):
+    """An id the model can generate that the tokenizer's files give no piece (M2M100's
+    made-up words past its languages, NLLB's ids past its tokenizer.json): M2M100Tokenizer
+    writes its unk token's text where the id stands ("the<unk>cat"); the `tokenizers`
+    library's decode (NLLB, mBART, BART) writes nothing. 300 random sequences with such ids
+    mixed in, and one in the middle of a sentence."""
+    directory = checkpoints[name][0]
+    ours = Tokenizer(directory, import_hf(directory).tokenizer_spec)
+    theirs = hh.auto_tokenizer(directory)
+    size = len(theirs)
+    assert ours.vocab_size == size
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        sequence = rng.integers(0, size + 8, size=int(rng.integers(1, 25))).tolist()
+        assert ours.decode(sequence) == theirs.decode(sequence, skip_special_tokens=True), \
+            sequence
+    words = theirs("the cat is good", add_special_tokens=False).input_ids
+    sequence = [*words[:2], size, *words[2:], size + 1]
+    text = ours.decode(sequence)
+    assert text == theirs.decode(sequence, skip_special_tokens=True)
+    assert (theirs.unk_token in text) == (name == "m2m100"), text
+
+
 def test_source_truncation_keeps_the_language_frame(checkpoints):
     """truncate cuts the text and keeps the language token and eos where the family puts
     them, as transformers' tokenizer truncates (truncation=True, max_length)."""

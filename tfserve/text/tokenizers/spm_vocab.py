@@ -10,7 +10,12 @@ transformers' M2M100Tokenizer (a Python tokenizer) encodes a text by
 3. mapping each SentencePiece piece through vocab.json (a piece missing from it is
    `<unk>`); the language tokens `__xx__` sit after the vocabulary, in the order of its list
    of language codes.
-Decoding drops the special tokens and joins the pieces with SentencePiece, stripped.
+Decoding drops the special tokens and joins the pieces with SentencePiece, stripped. An id
+with no piece (neither in vocab.json nor an added token nor a language: the model's made-up
+words past the languages, `num_madeup_words`) is the unk token's text where it stands, as
+M2M100Tokenizer writes it (`convert_ids_to_tokens` maps it to `<unk>`, and
+`convert_tokens_to_string` writes a special token's text between the SentencePiece-joined
+runs of pieces): [▁the, 219, ▁cat] -> "the<unk>cat".
 `SpmVocabText` does the same with sentencepiece alone; `SpmVocabTokenizer` is the kind's
 `Tokenizer` around it (the spec's `added_tokens`; the language tokens after the vocabulary).
 """
@@ -84,6 +89,7 @@ class SpmVocabText:
         self.id_to_piece = {i: p for p, i in vocab.items()}
         self.id_to_piece.update({token.id: token.content for token in added})
         self.vocab_size = max(self.id_to_piece) + 1
+        self.unk_text = self.id_to_piece.get(unk_token_id, "<unk>")
         self.special_ids = {token.id for token in added if token.special}
         # the longest added token first at each position (transformers' Trie.split)
         contents = sorted(self.added, key=len, reverse=True)
@@ -125,10 +131,19 @@ class SpmVocabText:
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        """The text of ids whose special tokens are already removed (ids without a piece
-        have no text)."""
-        pieces = [self.id_to_piece[i] for i in ids if i in self.id_to_piece]
-        return self.processor.DecodePieces(pieces).strip()
+        """The text of ids whose special tokens are already removed; an id without a piece
+        is the unk token's text (module docstring)."""
+        text, run = "", []
+        for i in ids:
+            piece = self.id_to_piece.get(i)
+            if piece is not None:
+                run.append(piece)
+                continue
+            # each run of pieces is joined on its own (SentencePiece drops the word-boundary
+            # mark at the start of a run), the unk text written between them as it is
+            text += self.processor.DecodePieces(run) + self.unk_text
+            run = []
+        return (text + self.processor.DecodePieces(run)).strip()
 
     def token_to_id(self, token: str) -> int | None:
         added = self.added.get(token)
