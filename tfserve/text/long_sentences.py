@@ -59,7 +59,7 @@ def _pack(text: str, units: list[Span], fits: Callable[[int, int], bool],
         # the most units from `index` on that fit: binary search on the count, at most
         # the units within max_characters (so that no count looks at more than that)
         high = bisect.bisect_right(units, units[index][0] + max_characters, lo=index,
-                                   key=lambda unit: unit[1]) - index
+                                   key=lambda unit: _trimmed(text, *unit)[1]) - index
         low = 0
         while low < high:
             middle = (low + high + 1) // 2
