@@ -121,6 +121,25 @@ def test_async_infer(client: object) -> None:
             for request in pending] == FRENCH
 
 
+def test_the_aio_client(server: ServerThread) -> None:
+    """tritonclient.http.aio sends its requests as application/octet-stream, JSON or not."""
+    aio = pytest.importorskip("tritonclient.http.aio")
+    import asyncio
+
+    async def infer() -> list[list[str]]:
+        async with aio.InferenceServerClient(http_url(server)) as made:
+            found = []
+            for binary in (False, True):
+                tensor = aio.InferInput("text", [len(TEXTS)], "BYTES")
+                tensor.set_data_from_numpy(np.array([t.encode() for t in TEXTS],
+                                                    dtype=np.object_), binary_data=binary)
+                result = await made.infer("demo", [tensor])
+                found.append(decoded(result.as_numpy("translation")))
+            return found
+
+    assert asyncio.run(infer()) == [FRENCH, FRENCH]
+
+
 def test_encoder_model_gives_embeddings(client: object) -> None:
     result = client.infer("encoder", [text_input(TEXTS)], parameters={"pooling": "max"})
     embeddings = result.as_numpy("embedding")
@@ -169,11 +188,21 @@ def test_errors_of_the_route(client: object, server: ServerThread) -> None:
     import urllib.request
 
     request = urllib.request.Request(server.http_url + "/v2/models/demo/infer", data=b"{",
-                                     method="POST")
+                                     method="POST", headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as failed:
         urllib.request.urlopen(request, timeout=60)
     assert failed.value.code == 400
     assert json.loads(failed.value.read())["error"].startswith("the request body is not valid")
+    # a form's Content-Type (urllib's for a POST, and curl -d's) is not the protocol's
+    request = urllib.request.Request(server.http_url + "/v2/models/demo/infer", data=b"{}",
+                                     method="POST")
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        urllib.request.urlopen(request, timeout=60)
+    assert failed.value.code == 400
+    assert json.loads(failed.value.read())["error"] == (
+        "the request body must be the protocol's JSON (Content-Type application/json), or JSON "
+        "and binary tensor data (application/octet-stream), got "
+        "'application/x-www-form-urlencoded'")
 
 
 def test_calls_are_traced_and_carry_their_request_id(client: object,
@@ -201,6 +230,30 @@ def test_auth_token_is_required_when_set(tmp_path: Path) -> None:
         result = client.infer("demo", [text_input(["seven"])],
                               headers={"Authorization": f"Bearer {TOKEN}"})
         assert decoded(result.as_numpy("translation")) == ["sept"]
+        version = client.get_model_metadata("demo", headers={
+            "Authorization": f"Bearer {TOKEN}"})["versions"][0]
+        assert_401_shapes(secured, version)
+
+
+def assert_401_shapes(server: ServerThread, version: str) -> None:
+    """The protocol's routes answer 401 in its shape; the per-model probe, versioned or not,
+    is the native API's route, and answers every failure (401, 404, 503) in the native
+    shape."""
+    import urllib.error
+    import urllib.request
+
+    def refused(path: str) -> object:
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(server.http_url + path, timeout=60)
+        assert failed.value.code == 401, path
+        return json.loads(failed.value.read())["error"]
+
+    for path in ("/v2", "/v2/models/demo", f"/v2/models/demo/versions/{version}"):
+        assert refused(path) == "missing or wrong bearer token in the Authorization header"
+    for path in ("/v2/models/demo/ready", f"/v2/models/demo/versions/{version}/ready",
+                 "/v2/models/missing/versions/1/ready"):
+        assert refused(path) == {"code": "UNAUTHENTICATED", "message":
+                                 "missing or wrong bearer token in the Authorization header"}
 
 
 KSERVE_CLIENTS = """

@@ -17,8 +17,9 @@ deadlines, metrics, the access log, tracing).
 
 A request's errors are gRPC statuses as the native API's (INVALID_ARGUMENT naming the
 protocol's field, NOT_FOUND for a model or version not served), except on ModelStreamInfer,
-where they are the failed request's `error_message`. Triton's other rpcs answer
-UNIMPLEMENTED.
+where they are the failed request's `error_message`; either way the message is bounded
+(oip_tensors.protocol_error: gRPC's trailers take 8 KiB, and a longer status reached the
+client as RESOURCE_EXHAUSTED). Triton's other rpcs answer UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from tfserve.frontends.oip_tensors import (
     Tensor,
     TensorSpec,
     answered_model,
+    bounded,
     bytes_elements,
     check_streamable,
     chunk_outputs,
@@ -50,6 +52,7 @@ from tfserve.frontends.oip_tensors import (
     model_outputs,
     protocol_error,
     raw_contents,
+    request_reading,
 )
 from tfserve.proto import load_inference
 from tfserve.serving import InvalidArgument, ServingCore, Status
@@ -80,14 +83,15 @@ class BadRequest:
 
 def infer_parser(data: bytes) -> Received:
     """ModelInferRequest bytes -> an InferRequest (its refusal when it does not parse or its
-    tensors cannot be read)."""
+    tensors cannot be read: whatever reading them raises, request_reading)."""
     try:
         message = pb2.ModelInferRequest.FromString(data)
     except Exception as exc:  # DecodeError, invalid UTF-8 in a string field, ...
         return Received(InferRequest(""), len(data),
                         Malformed(pb2.ModelInferRequest.DESCRIPTOR.full_name, exc))
     try:
-        return Received(infer_request(message), len(data))
+        with request_reading():
+            return Received(infer_request(message), len(data))
     except InvalidArgument as exc:
         return Received(InferRequest(message.model_name, message.model_version, message.id),
                         len(data), BadRequest(exc))  # type: ignore[arg-type]
@@ -106,7 +110,7 @@ def infer_request(message: Any) -> InferRequest:
                                   "contents or in raw_input_contents, not both")
         data: list[Any] = []
         if tensor.datatype == BYTES:  # the one data type tfserve's inputs take
-            data = (bytes_elements(raw[index], tensor.name) if raw
+            data = (bytes_elements(raw[index], f"raw_input_contents[{index}]") if raw
                     else list(tensor.contents.bytes_contents))
         inputs.append(Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), data,
                              parameters(tensor.parameters)))
@@ -151,9 +155,14 @@ def tensor_metadata(specs: tuple[TensorSpec, ...]) -> list[Any]:
 
 
 class OipCall(GrpcCall):
-    """A GrpcCall of the protocol's service (its spans are named after it)."""
+    """A GrpcCall of the protocol's service (its spans are named after it), its failures
+    answered and logged as the protocol's (protocol_error: field names, bounded messages)."""
 
     service = SERVICE_NAME
+
+    def failed(self, exc: BaseException) -> tuple[Status, str]:
+        status, details = super().failed(protocol_error(exc))
+        return status, bounded(details)
 
 
 class StreamCall(OipCall):
@@ -200,7 +209,7 @@ class InferenceService:
         except (ModelNotFound, InvalidArgument) as exc:
             code = (grpc.StatusCode.NOT_FOUND if isinstance(exc, ModelNotFound)
                     else grpc.StatusCode.INVALID_ARGUMENT)
-            await context.abort(code, str(exc))
+            await context.abort(code, bounded(str(exc)))
         return pb2.ModelReadyResponse(ready=self.ready() and slot.health == "SERVING")
 
     @unary("ModelMetadata", OipCall)
@@ -214,10 +223,7 @@ class InferenceService:
 
     @unary("ModelInfer", OipCall)
     async def ModelInfer(self, request: InferRequest, call: GrpcCall) -> Any:
-        try:
-            return call.sized(await self.infer(request, call))
-        except InvalidArgument as exc:
-            raise protocol_error(exc) from None
+        return call.sized(await self.infer(request, call))  # failures: OipCall.failed
 
     async def infer(self, request: InferRequest, call: GrpcCall) -> Any:
         return self.response(await infer_outputs(self.core, call, request), request, call)
@@ -284,7 +290,7 @@ class InferenceService:
                         responses.put_nowait(self._streamed(outputs, request, call, {
                             **chunk_parameters, FINAL_RESPONSE: left == 0}))
         except BaseException as exc:
-            _, details = call.failed(protocol_error(exc))
+            _, details = call.failed(exc)
             if isinstance(exc, CALL_ENDED):
                 raise
             responses.put_nowait(pb2.ModelStreamInferResponse(

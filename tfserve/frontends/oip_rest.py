@@ -9,13 +9,16 @@ data extension), on the native HTTP front end's port and aiohttp application:
 
 A request body is the protocol's JSON, or (binary tensor data) a JSON header of
 `Inference-Header-Content-Length` bytes followed by the inputs whose parameters give a
-`binary_data_size`, in order. An answer is JSON, or binary in the same way when the request
-asks for it (the `binary_data_output` parameter, or an output's `binary_data`). Tensors and
-parameters are tfserve.frontends.oip_tensors'; each call goes through the core as the native
-API's calls do (HttpCall: request ids, deadlines, metrics, the access log, tracing; the
-bearer token of the app's middleware). A failure is `{"error": "<message>"}` with the native
-API's HTTP status for it (400 for bad input, naming the field; 404 for a model or version not
-served).
+`binary_data_size`, in order; its Content-Type is application/json, application/octet-stream
+or none (what tritonclient and KServe send), its JSON objects give each key once (as the
+native API's). An answer is JSON, or binary in the same way when the request asks for it (the
+`binary_data_output` parameter, or an output's `binary_data`). Tensors and parameters are
+tfserve.frontends.oip_tensors'; each call goes through the core as the native API's calls do
+(HttpCall: request ids, deadlines, metrics, the access log, tracing; the bearer token of the
+app's middleware). A failure is `{"error": "<message>"}` with the native API's HTTP status
+for it (400 for bad input, naming the field; 404 for a model or version not served), its
+message bounded (oip_tensors.protocol_error). The per-model probe, versioned or not, is the
+native API's route, and answers its failures (401 included) as the native API does.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from tfserve.frontends.http_api import (
     read_call,
 )
 from tfserve.frontends.http_errors import oip_error_response
+from tfserve.frontends.messages import _unique_keys as unique_keys
 from tfserve.frontends.oip_tensors import (
     BYTES,
     PLATFORM,
@@ -44,12 +48,15 @@ from tfserve.frontends.oip_tensors import (
     InferRequest,
     Tensor,
     answered_model,
+    bounded,
     bytes_elements,
     infer_outputs,
     model_inputs,
     model_outputs,
     protocol_error,
     raw_contents,
+    request_reading,
+    shown_value,
     wants_binary,
 )
 from tfserve.serving import ServingCore
@@ -59,6 +66,12 @@ from tfserve.serving.status import InvalidArgument, Status
 from tfserve.version import __version__
 
 HEADER_LENGTH = "Inference-Header-Content-Length"  # the JSON part of a binary body or answer
+# a request body's Content-Types (or none): the protocol's JSON, and what Triton's binary
+# tensor data is sent as (tritonclient.http sends none, its aio client application/octet-
+# stream even for JSON). Not text/plain or a form's: those a browser sends to any origin
+# without asking it first
+CONTENT_TYPES = ("application/json", "application/octet-stream")
+MAX_LENGTH_DIGITS = 20  # a longer Inference-Header-Content-Length is past any body's length
 EXTENSIONS = ("binary_tensor_data",)
 MODEL = "/v2/models/{name}"
 VERSIONED = "/v2/models/{name}/versions/{version}"
@@ -66,12 +79,16 @@ NATIVE_MODEL_READY = MODEL + "/ready"  # served by tfserve.frontends.http_api
 
 
 class OipHttpCall(HttpCall):
-    """An HttpCall answering failures as the protocol does: `{"error": "<message>"}`."""
+    """An HttpCall answering failures as the protocol does: `{"error": "<message>"}`, the
+    message bounded in the answer and in the access log (protocol_error)."""
 
     service = SERVICE_NAME
 
+    def failed(self, exc: BaseException) -> tuple[Status, str]:
+        status, details = super().failed(protocol_error(exc))
+        return status, bounded(details)
+
     def error(self, exc: BaseException) -> web.Response:
-        exc = protocol_error(exc)
         status, details = self.failed(exc)
         if isinstance(exc, CALL_ENDED):
             raise exc
@@ -84,23 +101,39 @@ class OipHttpCall(HttpCall):
 
 async def read_infer_request(request: web.Request) -> InferRequest:
     """The request's body as an InferRequest of the model its path names; InvalidArgument
-    naming what is wrong with it."""
+    naming what is wrong with it (its Content-Type, its binary data's header, its JSON),
+    or, for whatever else reading it raises, saying it cannot be read (request_reading)."""
+    if request.content_type not in CONTENT_TYPES:  # aiohttp: no header is octet-stream
+        raise InvalidArgument("the request body must be the protocol's JSON (Content-Type "
+                              "application/json), or JSON and binary tensor data "
+                              "(application/octet-stream), got "
+                              f"{shown(request.headers.get('Content-Type', ''))}")
     body = await read_body(request)
-    header_length = request.headers.get(HEADER_LENGTH)
-    if header_length is None:
-        header, binary = body, memoryview(b"")
-    else:
-        if not header_length.isdigit() or int(header_length) > len(body):
-            raise InvalidArgument(f"the {HEADER_LENGTH} header must be the length of the "
-                                  f"body's JSON part, at most the body's {len(body)} bytes, "
-                                  f"got {shown(header_length)}")
-        header, binary = body[:int(header_length)], memoryview(body)[int(header_length):]
-    try:
-        document = json.loads(header)
-    except (ValueError, RecursionError) as exc:
-        raise InvalidArgument(f"the request body is not valid JSON: {exc}") from None
-    match = request.match_info
-    return parse_infer_request(document, binary, match["name"], match.get("version", ""))
+    with request_reading():
+        header, binary = _split_body(body, request.headers.getall(HEADER_LENGTH, []))
+        try:
+            document = json.loads(header, object_pairs_hook=unique_keys)
+        except InvalidArgument:  # a key given twice
+            raise
+        except (ValueError, RecursionError) as exc:  # ValueError: bad JSON, bad UTF-8
+            raise InvalidArgument(f"the request body is not valid JSON: {exc}") from None
+        match = request.match_info
+        return parse_infer_request(document, binary, match["name"], match.get("version", ""))
+
+
+def _split_body(body: bytearray, header_lengths: list[str]) -> tuple[bytearray, memoryview]:
+    """The body's JSON part and its binary data, as its Inference-Header-Content-Length
+    header (given once, ASCII digits: str.isdigit takes others, which int() may refuse)
+    splits it; all JSON without the header."""
+    if not header_lengths:
+        return body, memoryview(b"")
+    text = header_lengths[0]
+    if len(header_lengths) > 1 or not (text.isascii() and text.isdigit()) or (
+            len(text) > MAX_LENGTH_DIGITS or int(text) > len(body)):
+        given = "several headers" if len(header_lengths) > 1 else shown(text)
+        raise InvalidArgument(f"the {HEADER_LENGTH} header must be the length of the body's "
+                              f"JSON part, at most the body's {len(body)} bytes, got {given}")
+    return body[:int(text)], memoryview(body)[int(text):]
 
 
 def parse_infer_request(document: Any, binary: memoryview, model: str,
@@ -113,8 +146,8 @@ def parse_infer_request(document: Any, binary: memoryview, model: str,
     # KServe's client names the model in the body too: it must be the path's
     for key, value in (("model_name", model), ("model_version", version)):
         if key in document and document[key] != value:
-            raise InvalidArgument(f"{key} {shown(str(document[key]))} is not the one the path "
-                                  f"names ({value!r})")
+            raise InvalidArgument(f"{key} {shown_value(document[key])} is not the one the "
+                                  f"path names ({shown(value)})")
     request_id = document.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidArgument("id must be a string")
@@ -152,13 +185,13 @@ def _input_tensor(item: Any, where: str, binary: memoryview) -> tuple[Tensor, in
         if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= len(binary):
             raise InvalidArgument(f"{where}.parameters.binary_data_size must be the number of "
                                   f"bytes of its binary data, at most the {len(binary)} left, "
-                                  f"got {size!r}")
+                                  f"got {shown_value(size)}")
         if "data" in item:
             raise InvalidArgument(f"{where}: give data or parameters.binary_data_size, not both")
         if datatype != BYTES:  # the one data type tfserve's inputs take
             data: list[Any] = []
         else:
-            data = bytes_elements(binary[:size], name)
+            data = bytes_elements(binary[:size], where)
         return Tensor(name, datatype, tuple(shape), data, parameters), size
     if "data" not in item:
         raise InvalidArgument(f"{where}.data is missing (or parameters.binary_data_size)")
@@ -329,8 +362,13 @@ def add_routes(app: web.Application, core: ServingCore, ready: Readiness) -> Non
                        if route.resource is not None
                        and route.resource.canonical == NATIVE_MODEL_READY)
     for index, (method, path, handler) in enumerate(ROUTES):
+        if handler == "model_ready":
+            # the native probe under its versioned path, unnamed as its unversioned path is:
+            # its 401 is the native API's, as its 404 and 503 are (the protocol gives a
+            # readiness answer no body: clients read its status)
+            app.router.add_route(method, path, model_ready)
+            continue
         # the name marks a route of the protocol: the app's token check answers its 401 as
         # the protocol does (OIP_ROUTE_PREFIX, tfserve.frontends.http_api.bearer_token)
-        app.router.add_route(method, path, model_ready if handler == "model_ready"
-                             else getattr(api, handler),
+        app.router.add_route(method, path, getattr(api, handler),
                              name=f"{OIP_ROUTE_PREFIX}{handler}{index}")

@@ -27,7 +27,11 @@ request's last one carries `triton_final_response: true`.
 
 Bad input is an InvalidArgument naming the protocol's field (`inputs[0].datatype`,
 `parameters.num_beams`, `text[2]`); the core's own checks name the native API's fields, which
-`protocol_field_names` turns into the protocol's.
+`protocol_field_names` turns into the protocol's. A client's value in a message is cut as the
+native API cuts it (a string by tfserve.serving.requests.shown, to 40 characters; any other
+value by `shown_value`, a shape by `shape_text`); whatever else reading a request raises is
+InvalidArgument too (`request_reading`), and `protocol_error` bounds every message a protocol
+call answers or logs to MAX_ERROR_CHARS.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from __future__ import annotations
 import re
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +52,7 @@ from tfserve.serving import ServingCore
 from tfserve.serving.calls import Call
 from tfserve.serving.requests import EncodeInput, OptionFields, TranslateInput, shown
 from tfserve.serving.results import TextHypothesis
-from tfserve.serving.status import InvalidArgument
+from tfserve.serving.status import InvalidArgument, ModelNotFound
 from tfserve.serving.stream import Chunk
 
 # the tensors' names
@@ -80,6 +85,16 @@ _TRANSLATE_PARAMETERS: dict[str, type] = {
 _ENCODE_PARAMETERS: dict[str, type] = {"source_language": str, "pooling": str, "truncate": bool}
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+# the integers a parameter takes: gRPC's int64_param and uint64_param (JSON's are unbounded,
+# and float() of a longer one overflows)
+_INT_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+# the most characters of an error message a protocol call answers or logs: a message names a
+# field and quotes client strings cut to 40 characters (shown), so a legitimate one is
+# shorter (the longest, NOT_FOUND's list of the models served, may be cut); the bound is the
+# net under that, inside the 8 KiB gRPC's trailers take (grpc-message is the message's UTF-8,
+# percent-encoded past ASCII: ASCII text, which messages are but for quoted client strings,
+# takes a byte a character)
+MAX_ERROR_CHARS = 1000
 
 
 @dataclass(frozen=True)
@@ -189,7 +204,7 @@ def request_timeout(request: InferRequest) -> float | None:
     _check_type(TIMEOUT, value, int)
     if not 1 <= value <= MAX_TIMEOUT_US:
         raise InvalidArgument(f"parameters.timeout must be in [1, {MAX_TIMEOUT_US}] "
-                              f"microseconds, got {value}")
+                              f"microseconds, got {shown_value(value)}")
     return value / 1e6
 
 
@@ -215,7 +230,8 @@ def core_request(core: ServingCore, call: Call, request: InferRequest
         model = slot.model
         encoder_only = (bool(model.runtime.config.encoder_only) if model is not None
                         else slot.entry.encoder_only)
-        return encode_input(request) if encoder_only else translate_input(request)
+        with request_reading():
+            return encode_input(request) if encoder_only else translate_input(request)
     except Exception as exc:
         call.refuse(exc)
         return TranslateInput(model=request.model, version=request.version)
@@ -245,8 +261,8 @@ def _check_outputs(request: InferRequest, offered: Sequence[TensorSpec]) -> None
             raise InvalidArgument(f"outputs[{index}].name is {shown(name)}, not an output of "
                                   f"this model; its outputs are {', '.join(names)}")
         if name in request.outputs[:index]:
-            raise InvalidArgument(f"outputs[{index}].name: the output {name!r} is asked for "
-                                  "twice")
+            raise InvalidArgument(f"outputs[{index}].name: the output {shown(name)} is asked "
+                                  "for twice")
 
 
 def _named_inputs(request: InferRequest, taken: Sequence[TensorSpec]) -> dict[str, Tensor]:
@@ -260,10 +276,10 @@ def _named_inputs(request: InferRequest, taken: Sequence[TensorSpec]) -> dict[st
             raise InvalidArgument(f"inputs[{index}].name is {shown(tensor.name)}, not an input "
                                   f"of this model; its inputs are {', '.join(specs)}")
         if tensor.name in found:
-            raise InvalidArgument(f"inputs[{index}].name: the input {tensor.name!r} is given "
-                                  "twice")
+            raise InvalidArgument(f"inputs[{index}].name: the input {shown(tensor.name)} is "
+                                  "given twice")
         if tensor.datatype != spec.datatype:
-            raise InvalidArgument(f"inputs[{index}].datatype of {tensor.name!r} must be "
+            raise InvalidArgument(f"inputs[{index}].datatype of {shown(tensor.name)} must be "
                                   f"{spec.datatype}, got {shown(tensor.datatype)}")
         found[tensor.name] = tensor
     if TEXT not in found:
@@ -276,11 +292,12 @@ def _texts(tensor: Tensor, name: str, allow_empty: bool = False) -> list[str]:
     shape = tuple(tensor.shape)
     if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)) or any(
             size < 0 for size in shape):
-        raise InvalidArgument(f"{name}: the shape must be [N] or [N, 1], got {list(shape)}")
+        raise InvalidArgument(f"{name}: the shape must be [N] or [N, 1], got "
+                              f"{shape_text(shape)}")
     elements = list(tensor.data)
     if len(elements) != shape[0]:
-        raise InvalidArgument(f"{name}: the shape {list(shape)} holds {shape[0]} elements, "
-                              f"the data {len(elements)}")
+        raise InvalidArgument(f"{name}: the shape {shape_text(shape)} holds "
+                              f"{shown_value(shape[0])} elements, the data {len(elements)}")
     texts = []
     for index, element in enumerate(elements):
         try:
@@ -306,7 +323,7 @@ def _parameters(request: InferRequest, types: Mapping[str, type]) -> dict[str, A
         if kind is None:
             if name in TRANSPORT_PARAMETERS:
                 continue
-            raise InvalidArgument(f"parameters.{shown(name)[1:-1]} is not a parameter of this "
+            raise InvalidArgument(f"{parameter_field(name)} is not a parameter of this "
                                   f"model; its parameters are {', '.join(sorted(types))}")
         _check_type(name, value, kind)
         given[name] = float(value) if kind is float else value
@@ -315,11 +332,94 @@ def _parameters(request: InferRequest, types: Mapping[str, type]) -> dict[str, A
 
 def _check_type(name: str, value: Any, kind: type) -> None:
     """InvalidArgument naming `parameters.<name>` unless value is of `kind` (an int serves as
-    a float; a bool is neither)."""
+    a float; a bool is neither), an integer in gRPC's 64 bits, a string UTF-8 text (JSON's
+    escapes can write a lone surrogate, which no tokenizer takes)."""
     accepted = (int, float) if kind is float else kind
     if isinstance(value, bool) != (kind is bool) or not isinstance(value, accepted):
-        got = shown(value) if isinstance(value, str) else repr(value)
-        raise InvalidArgument(f"parameters.{name} must be {_TYPE_NAMES[kind]}, got {got}")
+        raise InvalidArgument(f"parameters.{name} must be {_TYPE_NAMES[kind]}, got "
+                              f"{shown_value(value)}")
+    if isinstance(value, int) and not isinstance(value, bool) and not (
+            _INT_RANGE[0] <= value <= _INT_RANGE[1]):
+        raise InvalidArgument(f"parameters.{name} must be a 64-bit integer, got "
+                              f"{shown_value(value)}")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidArgument(f"parameters.{name} is not UTF-8 text (a lone surrogate at "
+                                  f"character {exc.start})") from None
+
+
+# -- client values in messages --------------------------------------------------------------
+
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
+
+
+def parameter_field(name: str) -> str:
+    """A parameter's field for a message: `parameters.<name>` for a name that reads plainly
+    (a short identifier), else `parameters[<the name as shown quotes it>]`, so that a long
+    or odd name is cut and quoted once, whole."""
+    return f"parameters.{name}" if _PLAIN_NAME.fullmatch(name) else f"parameters[{shown(name)}]"
+
+
+def shown_value(value: Any) -> str:
+    """A client's value of any type for a message, never more than about 40 characters of
+    it: a string as `shown` quotes it, a number or a boolean as written while it is short,
+    anything else by its kind and size (`a list of 300000 items`, `an object`)."""
+    if isinstance(value, str):
+        return shown(value)
+    if value is None:
+        return "null"
+    if isinstance(value, (bool, float)):
+        return repr(value)
+    if isinstance(value, int):
+        try:
+            digits = len(str(abs(value)))
+        except ValueError:  # past Python's int-to-str limit (sys.get_int_max_str_digits)
+            return "an integer of thousands of digits"
+        return repr(value) if digits <= 40 else f"an integer of {digits} digits"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} item{'' if len(value) == 1 else 's'}"
+    if isinstance(value, dict):
+        return "an object"
+    return f"a {type(value).__name__}"
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    """A client's shape for a message: as a list while short, else its first 40 characters
+    and its rank."""
+    text = str(list(shape)) if len(shape) <= 40 else ""
+    if text and len(text) <= 40:
+        return text
+    return f"{str(list(shape[:20]))[:40]}... ({len(shape)} dimensions)"
+
+
+def bounded(message: str) -> str:
+    """An error message as the protocol answers and logs it: encodable (a lone surrogate
+    written as its escape: aiohttp's and gRPC's UTF-8 would refuse it) and at most
+    MAX_ERROR_CHARS characters (a longer one cut, saying how long it was)."""
+    if not message.isascii():
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(message) <= MAX_ERROR_CHARS:
+        return message
+    cut = f"... ({len(message)} characters)"
+    return message[:MAX_ERROR_CHARS - len(cut)] + cut
+
+
+@contextmanager
+def request_reading() -> Iterator[None]:
+    """Read and convert a request in this block: whatever it raises is the request's fault
+    and InvalidArgument. The checks name the field; this is the net under them, so that a
+    request they miss is a 400 / INVALID_ARGUMENT with a short message, never INTERNAL with
+    a traceback in the log."""
+    try:
+        yield
+    except (InvalidArgument, ModelNotFound):
+        raise
+    except (ValueError, TypeError, LookupError, ArithmeticError, RecursionError) as exc:
+        # `from None`: the traceback's frames hold the request
+        raise InvalidArgument(f"the request cannot be read ({type(exc).__name__}: "
+                              f"{shown(str(exc))})") from None
 
 
 # the native API's field names at the start of the core's messages -> the protocol's
@@ -339,13 +439,25 @@ def protocol_field_names(message: str) -> str:
 
 
 def protocol_error(exc: BaseException) -> BaseException:
-    """A call's failure as the protocol's front ends answer it: an InvalidArgument of the
-    core with its field named as the protocol names it, anything else as it is."""
-    if isinstance(exc, InvalidArgument):
-        renamed = protocol_field_names(str(exc))
-        if renamed != str(exc):
-            return InvalidArgument(renamed)
-    return exc
+    """A call's failure as the protocol's front ends answer and log it (the one place both
+    transports' calls pass it through: their `failed`): an InvalidArgument of the core with
+    its field named as the protocol names it, any message `bounded`; the same exception when
+    there is nothing to change, or one of the same type (and traceback) with the new message.
+    """
+    if not isinstance(exc, Exception):
+        return exc  # the client left (CancelledError, GeneratorExit): nothing is answered
+    message = str(exc)
+    changed = bounded(protocol_field_names(message) if isinstance(exc, InvalidArgument)
+                      else message)
+    if changed == message:
+        return exc
+    try:
+        remade = type(exc)(changed)
+    except Exception:  # an exception not made of its message: answered as it is (bounded
+        return exc     # by the transport), logged as it is
+    if str(remade) != changed:
+        return exc
+    return remade.with_traceback(exc.__traceback__)
 
 
 # -- results --------------------------------------------------------------------------------
@@ -399,7 +511,8 @@ _LENGTH = struct.Struct("<I")
 
 def bytes_elements(raw: bytes | memoryview, name: str) -> list[bytes]:
     """BYTES elements from their raw form (each one's length as 4 little-endian bytes, then
-    its bytes), or InvalidArgument naming the tensor."""
+    its bytes), or InvalidArgument naming the field `name` (`inputs[0]`, not the client's
+    tensor name)."""
     view = memoryview(raw)
     elements, offset = [], 0
     while offset < len(view):
