@@ -13,13 +13,15 @@ fp16 graphs are checked on CUDA when a device is there, else on the CPU where it
 runs their fused attention in fp16; where neither does, the export refuses (exit code 2)
 unless --allow-unverified publishes them unchecked (docs/graph-interface.md, "fp16 graphs").
 
-Exit codes: 0 success, 1 parity check failed (nothing written), 2 bad input.
+Exit codes: 0 success, 1 parity check failed (nothing written), 2 bad input (a module of the
+`export` extra missing included: one line naming what to install).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -42,6 +44,48 @@ EXIT_USAGE = 2
 
 class ExportError(Exception):
     """Bad input to the export; printed as one line, exit code 2."""
+
+
+# The modules of the `export` extra (pyproject.toml), each named as its distribution. The base
+# wheel (the serving path) has none of them; the export imports them after parsing its
+# arguments, so --help and --version work without them.
+EXPORT_EXTRA_MODULES = ("torch", "onnx", "onnxscript", "safetensors", "num2words")
+DEMO_ONLY_MODULES = ("num2words",)  # the bundled demo's sentences
+# torch installed first, as README says: pip takes its CPU build for this pin, while a bare
+# `torch` requirement (the extra's) pulls several GB of CUDA packages
+TORCH_REQUIREMENT = "torch==2.13.0"
+
+
+def missing_extra(module: str) -> str:
+    """The one line for a module of the export extra that is not installed."""
+    return (f"the export needs the 'export' extra (no module {module}): "
+            f"pip install {TORCH_REQUIREMENT} (the CPU build), then pip install "
+            "'tfserve[export]'")
+
+
+def missing_export_module(demo: bool) -> str | None:
+    """The first module of the export extra that cannot be found here (the demo's too when
+    `demo`), or None; checked before any work, so a missing one costs no checkpoint load."""
+    for name in EXPORT_EXTRA_MODULES:
+        if name in DEMO_ONLY_MODULES and not demo:
+            continue
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a finder that refuses it; a module without spec
+            found = False
+        if not found:
+            return name
+    return None
+
+
+def missing_module_exit(exc: ModuleNotFoundError) -> int:
+    """Exit code 2 and the one line for a module of the export extra found missing while
+    exporting (one the check before did not see: an import inside it); others re-raised."""
+    module = (exc.name or "").partition(".")[0]
+    if module not in EXPORT_EXTRA_MODULES:
+        raise exc
+    print(f"python -m export: error: {missing_extra(module)}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -306,13 +350,22 @@ class ParityFailure(Exception):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from export.sources import SourceError
-    from tfserve.artifacts.model_config import ConfigError
-    from tfserve.model import CheckpointError
-    from tfserve.text.tokenizer import TokenizerError
+    missing = missing_export_module(demo=args.checkpoint is None and args.from_hf is None)
+    if missing is not None:
+        print(f"python -m export: error: {missing_extra(missing)}", file=sys.stderr)
+        return EXIT_USAGE
+    try:  # these load torch
+        from export.sources import SourceError
+        from tfserve.artifacts.model_config import ConfigError
+        from tfserve.model import CheckpointError
+        from tfserve.text.tokenizer import TokenizerError
+    except ModuleNotFoundError as exc:
+        return missing_module_exit(exc)
 
     try:
         result = run(args)
+    except ModuleNotFoundError as exc:
+        return missing_module_exit(exc)
     except (ExportError, SourceError, ConfigError, CheckpointError, TokenizerError) as exc:
         print(f"python -m export: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
