@@ -23,7 +23,6 @@ from tfserve.bench.step_profile import search_profile
 from tfserve.generation import DecodingOptions, Hypothesis, make_search, score_rows
 from tfserve.generation.batch import BatchRunError, DecodeBatch, generate
 from tfserve.generation.sampling import SamplingSearch
-from tfserve.generation.search import SampleDraws
 from tfserve.runtime import Runtime, sessions
 from tfserve.runtime.providers import make_session
 from tfserve.runtime.sampling_graph import (
@@ -34,6 +33,7 @@ from tfserve.runtime.sampling_graph import (
     moved_bytes,
 )
 from tfserve.runtime.step_graph import CACHE_ROWS, rewritten_decoder
+from tfserve.step import SampleDraws
 
 BANNED = np.array([PAD], np.int64)
 
@@ -245,11 +245,12 @@ def test_a_failed_step_leaves_the_draws_to_be_made_again() -> None:
                 for _ in range(2)]
     batch.add(searches, [0, 1], device.encode(ids, mask)[1], mask)
     batch.step()
-    draw = device.cache_storage.draw
-    device.cache_storage.draw = lambda draws: 1 / 0  # type: ignore[method-assign]
+    step = device.step
+    device.step = lambda *args, **kwargs: (  # type: ignore[method-assign]
+        1 / 0 if kwargs.get("draws") is not None else step(*args, **kwargs))
     with pytest.raises(BatchRunError):
         batch.step()
-    device.cache_storage.draw = draw  # type: ignore[method-assign]
+    device.step = step  # type: ignore[method-assign]
     got: list[list[Hypothesis]] = [[], []]
     while len(batch):
         for tag, search in batch.step():
@@ -272,9 +273,9 @@ def test_the_draws_of_several_searches_join_in_slot_order() -> None:
     model = artifacts("rope", "pre")
     device = Runtime(model, device_cache=True)
     seen: list[SampleDraws] = []
-    draw = device.cache_storage.draw
-    device.cache_storage.draw = lambda draws: (  # type: ignore[method-assign]
-        seen.append(draws) or draw(draws))
+    step = device.step
+    device.step = lambda *args, **kwargs: (  # type: ignore[method-assign]
+        kwargs.get("draws") is not None and seen.append(kwargs["draws"])) or step(*args, **kwargs)
     ids, mask = sources(device, [3, 4, 5], seed=4)
     options = [sampling(seed=1, max_new_tokens=3, min_new_tokens=3, num_return_sequences=2),
                DecodingOptions(max_new_tokens=3, min_new_tokens=3).validate(100),

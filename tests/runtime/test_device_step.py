@@ -11,8 +11,8 @@ import pytest
 from tests.exported import artifacts
 from tests.waves import decode_waves, sources
 from tfserve.generation import DecodingOptions, Hypothesis, make_search
-from tfserve.generation.batch import DecodeBatch
-from tfserve.runtime import Runtime
+from tfserve.generation.batch import DecodeBatch, generate
+from tfserve.runtime import Runtime, sessions
 from tfserve.runtime.step_graph import CACHE_ROWS, rewritten_decoder
 
 MIXED = [
@@ -96,10 +96,24 @@ def test_need_logits_false_gives_the_same_candidates_without_logits() -> None:
         np.testing.assert_array_equal(full.top_log_probs, lean.top_log_probs)
 
 
-def test_cache_rows_gathers_the_past_inside_the_step() -> None:
-    """step(past, cache_rows) equals step(take_rows(past, cache_rows)) on the device
-    placement; the host placement refuses cache_rows."""
-    runtime = Runtime(artifacts("rope", "pre"), device_cache=True)
+def forced_fallback(monkeypatch: pytest.MonkeyPatch) -> Runtime:
+    """The device placement of a runtime that cannot rewrite the decoder at load (ONNX
+    Runtime before 1.21, or without `onnx`), forced: the decoder graph as exported."""
+    with monkeypatch.context() as patch:
+        patch.setattr(sessions, "loads_rewritten_graphs", lambda: False)
+        patch.setattr(sessions, "reads_graph_bytes", lambda: False)
+        return Runtime(artifacts("rope", "pre"), device_cache=True)
+
+
+@pytest.mark.parametrize("placement", ["device", "fallback", "host"])
+def test_every_placement_honours_the_steps_parents(placement: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """step(past, parents=rows) equals step(take_rows(past, rows)): inside the step's run
+    on the device placement (cache_rows), by a take run before it on the fallback, by a
+    numpy gather on the host."""
+    runtime = (forced_fallback(monkeypatch) if placement == "fallback"
+               else Runtime(artifacts("rope", "pre"), device_cache=placement == "device"))
+    assert runtime.reorders_in_step == (placement == "device")
     ids, mask = sources(runtime, [3, 5, 4], seed=8)
     _, cross = runtime.encode(ids, mask)
     start = np.full((3, 1), runtime.decoder_start_token_id, np.int64)  # [3,1]
@@ -109,16 +123,43 @@ def test_cache_rows_gathers_the_past_inside_the_step() -> None:
     args = (np.full((3, 1), 7, np.int64), np.ones((3, 1), np.int64),  # [3,1]
             np.ones((3, 2), np.int64), mask[rows])
     cross_rows = runtime.take_rows(cross, rows)
-    inside = runtime.step(*args, first.present, cross_rows, cache_rows=rows)
+    before = runtime.counters.snapshot()
+    inside = runtime.step(*args, first.present, cross_rows, parents=rows)
+    assert runtime.counters.since(before).runs == (2 if placement == "fallback" else 1)
     outside = runtime.step(*args, runtime.take_rows(first.present, rows), cross_rows)
     np.testing.assert_allclose(inside.logits, outside.logits, atol=1e-6, rtol=0)
     for a, b in zip(inside.present, outside.present):
-        assert isinstance(a, ort.OrtValue)
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
+        assert isinstance(a, ort.OrtValue) == (placement != "host")
+        np.testing.assert_array_equal(*(v.numpy() if isinstance(v, ort.OrtValue) else v
+                                        for v in (a, b)))
+
+
+def test_the_fallback_decodes_what_the_host_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path of an ONNX Runtime before 1.21 (or without onnx), forced: the decoder graph
+    as exported, a beam step's reorder a take run of its own and a whole-row draw a run of
+    the standalone draw graph; tokens and scores are the host placement's."""
+    fallback = forced_fallback(monkeypatch)
+    assert not fallback.reorders_in_step and fallback.draws_in_step
+    assert CACHE_ROWS not in {value.name for value in fallback.decoder.get_inputs()}
     host = Runtime(artifacts("rope", "pre"))
-    with pytest.raises(ValueError, match="cache_rows"):
-        host.step(*args, [value.numpy()[rows] for value in first.present],
-                  [value.numpy() for value in cross_rows], cache_rows=rows)
+    expected, _ = run_mixed(host)
+    got, runs = run_mixed(fallback)
+    for tag in expected:
+        assert [h.token_ids for h in got[tag]] == [h.token_ids for h in expected[tag]], tag
+        np.testing.assert_allclose([h.score for h in got[tag]],
+                                   [h.score for h in expected[tag]], atol=1e-5, rtol=0)
+    # each step is the device placement's runs and, where beams reorder, one take run
+    _, device_runs = run_mixed(Runtime(artifacts("rope", "pre"), device_cache=True))
+    extra = [ran - device for ran, device in zip(runs, device_runs)]
+    assert len(runs) == len(device_runs) and set(extra) <= {0, 1} and sum(extra) >= 3, extra
+    ids, mask = sources(host, [4, 6], seed=2)
+    sampling = DecodingOptions(max_new_tokens=6, do_sample=True, top_p=0.8, seed=5,
+                               num_return_sequences=2)
+    before = fallback.counters.snapshot()
+    drawn = generate(fallback, ids, mask, sampling)
+    assert fallback.counters.since(before).runs > 6  # the draws: runs of their own
+    want = generate(host, ids, mask, sampling)
+    assert [[h.token_ids for h in r] for r in drawn] == [[h.token_ids for h in r] for r in want]
 
 
 def test_the_row_gather_rewrite_refuses_a_graph_that_is_not_a_decoder(tmp_path) -> None:

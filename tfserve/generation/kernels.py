@@ -4,11 +4,11 @@ thread pool that splits the large ones by rows (numpy releases the GIL in them).
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-_POOL: ThreadPoolExecutor | None = None
+from tfserve.step.threads import numpy_pool
+
 PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, threads cost more than they save
 SCORE_BLOCK_ELEMENTS = 1 << 18  # rows per score_rows block: ~1 MiB of float32 logits
 
@@ -64,14 +64,6 @@ def score_rows(logits: np.ndarray, banned: int | np.ndarray | None, k: int
                                           for i in range(0, logits.shape[0], step)]))
     lse = np.concatenate([part[0] for part in parts])
     return lse, np.concatenate([part[1] for part in parts]) if k else None  # type: ignore[misc]
-
-
-def numpy_pool() -> ThreadPoolExecutor:
-    """The process's threads for GIL-releasing numpy work (search and host cache copies)."""
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tfserve-numpy")
-    return _POOL
 
 
 def logsumexp(logits: np.ndarray) -> np.ndarray:

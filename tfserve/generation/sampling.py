@@ -8,7 +8,8 @@ import numpy as np
 
 from tfserve.generation.kernels import filter_logits, log_softmax
 from tfserve.generation.options import DecodingOptions, Hypothesis
-from tfserve.generation.search import SampleDraws, Search, register_search
+from tfserve.generation.search import Search, register_search
+from tfserve.step import SampleDraws
 
 
 @register_search("sampling", lambda options: bool(options.do_sample))

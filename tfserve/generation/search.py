@@ -15,6 +15,7 @@ import numpy as np
 
 from tfserve.generation.controls import RepetitionControls
 from tfserve.generation.options import DecodingOptions, Hypothesis
+from tfserve.step import SampleDraws
 
 
 class GroupDecision(NamedTuple):
@@ -26,23 +27,6 @@ class GroupDecision(NamedTuple):
     # [M+1]: search j's next rows are [bounds[j], bounds[j+1]), unless taking its part ends it
     bounds: list[int]
     detail: Any  # the strategy's own: what take_decision reads
-
-
-class SampleDraws(NamedTuple):
-    """Tokens to draw from whole rows of a step's logits where the backend made them (on a
-    device: tfserve.runtime.sampling_graph), as `SamplingSearch` draws from numpy rows: one
-    token per entry, each with its own row, uniform and options. A search's `device_draw`
-    gives its part (rows among its own, no bans); DecodeBatch joins the parts (rows of the
-    batch, the backend's bans)."""
-
-    rows: np.ndarray  # [S] int64: the row each draw reads
-    uniforms: np.ndarray  # [S] float64 in [0,1): each draw's uniform (inverse-CDF draw)
-    temperature: np.ndarray  # [S] float32
-    top_k: np.ndarray  # [S] int64 (0: off)
-    top_p: np.ndarray  # [S] float32 (1: off)
-    block_eos: np.ndarray  # [S] bool: eos may not be drawn (min_new_tokens not reached)
-    eos_token_id: int
-    banned: np.ndarray | None = None  # [n] int64: ids no draw lands on (None: none)
 
 
 class Search:

@@ -1,22 +1,32 @@
 """ONNX Runtime over an artifacts directory: the serving backend of the search.
 
-Imports numpy and onnxruntime only (never torch), so the serving image carries no PyTorch.
+Imports numpy and onnxruntime only (never torch), so the serving image carries no PyTorch,
+and nothing of `tfserve.generation`: it implements the step contract of `tfserve.step`.
 
 `Runtime` (`tfserve.runtime.sessions`) loads model.json, the two graphs and the tokenizer,
 creates one InferenceSession per graph on the requested device (`cpu`, `cuda`, `cuda:N`:
 the table in `tfserve.runtime.providers`) with the given options, and implements
-`tfserve.generation.Backend`: encode, one decoder step, and the cache row operations the
-continuous-batching loop needs.
+`tfserve.step.Backend`: encode, one decoder step, and the cache row operations the
+continuous-batching loop needs. Where the KV cache lives between steps is one of three
+placements, each honouring the step's beam parents and draws its own way:
 
-On CPU the cache is a list of numpy arrays [k_0, v_0, k_1, v_1, ...], each [B,H,P,Dh]
-(`HostCache`). On CUDA (or with device_cache=True) each step is run with IO binding: the cross
-and present K/V stay in device memory as OrtValues and are bound as the next step's inputs,
-so a step moves only token ids, masks and logits between host and device; row operations
-(beam reorder, rows joining or leaving) run on the device too (`DeviceCache`, with the graphs
-of `tfserve.runtime.cache_graphs`).
+- `HostCache` (`cache`): numpy arrays [k_0, v_0, k_1, v_1, ...], each [B,H,P,Dh]; the
+  default on CPU;
+- `DeviceCache` (`device_cache`): OrtValues in the device's memory, run with IO binding, so a
+  step moves only token ids, masks and the top candidates (or the draws); row operations run
+  on the device as small graphs (`cache_graphs`), a beam reorder and the sampling draws
+  inside the step's one run (`step_graph`, `sampling_graph`); the default on CUDA;
+- `StaticCache` (`static_cache`, `static_buffers`, `static_step`): the device placement with
+  fixed buffers per bucket written in place and each bucket's step bound once (what a
+  captured CUDA graph replays; `kv_cache="static"`, `--kv-cache static`).
+
+Every run is counted in one `RunCounters` (`ort_runs`: the counters, the small graphs'
+sessions and the bound run they share).
 """
 
-from tfserve.runtime.cache import POOL_MIN_BYTES, CacheStorage, DeviceCache, HostCache
+from tfserve.runtime.cache import POOL_MIN_BYTES, CacheStorage, HostCache
+from tfserve.runtime.device_cache import DeviceCache
+from tfserve.runtime.ort_runs import RunCounters
 from tfserve.runtime.providers import (
     OPTIMIZATION_LEVELS,
     PROVIDERS,
@@ -41,6 +51,7 @@ __all__ = [
     "HostCache",
     "Provider",
     "ProviderError",
+    "RunCounters",
     "Runtime",
     "default_threads",
     "make_session",

@@ -14,15 +14,18 @@ The same code runs on CPU with CPU OrtValues, which is how the tests check it wi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
-if TYPE_CHECKING:
-    from tfserve.runtime.cache import RunCounters
-
-OPSET = 17
+from tfserve.runtime.ort_runs import (
+    RunCounters,
+    bound_run,
+    float_element,
+    model_bytes,
+    small_session,
+)
 
 
 def _graph_bytes(kind: str, count: int, elem_type: int) -> bytes:
@@ -53,10 +56,7 @@ def _graph_bytes(kind: str, count: int, elem_type: int) -> bytes:
             nodes.append(helper.make_node("Pad", [names[0], "pads"], [out], mode="constant"))
         else:
             nodes.append(helper.make_node("Slice", [names[0], "starts", "ends", "axes"], [out]))
-    graph = helper.make_graph(nodes, f"cache_{kind}", inputs + extra, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = 8
-    return model.SerializeToString()
+    return model_bytes(helper.make_graph(nodes, f"cache_{kind}", inputs + extra, outputs))
 
 
 class DeviceCacheOps:
@@ -64,41 +64,26 @@ class DeviceCacheOps:
 
     def __init__(self, count: int, dtype: np.dtype, device_kind: str, device_index: int,
                  providers: list[Any], counters: RunCounters | None = None) -> None:
-        """counters: a `RunCounters` that the runs and their host inputs are added to."""
-        from onnx import TensorProto
-
+        """counters: the `RunCounters` that the runs and their host inputs are added to (a
+        fresh one where None)."""
         self.count = count
-        self.counters = counters
+        self.counters = counters if counters is not None else RunCounters()
         self.device_kind, self.device_index = device_kind, device_index
-        elem = TensorProto.FLOAT16 if np.dtype(dtype) == np.float16 else TensorProto.FLOAT
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        self.sessions = {
-            kind: ort.InferenceSession(_graph_bytes(kind, count, elem), sess_options=options,
-                                       providers=providers)
-            for kind in ("take", "concat", "pad", "slice")
-        }
+        elem = float_element(dtype)
+        self.sessions = {kind: small_session(_graph_bytes(kind, count, elem), providers)
+                         for kind in ("take", "concat", "pad", "slice")}
 
     def _run(self, kind: str, tensors: Sequence[ort.OrtValue], **small: np.ndarray
              ) -> list[ort.OrtValue]:
-        session = self.sessions[kind]
-        binding = session.io_binding()
         arity = 2 if kind == "concat" else 1
-        for i in range(self.count):
-            for j in range(arity):
-                binding.bind_ortvalue_input(f"x{i}_{j}", tensors[i * arity + j])
-        moved = 0
-        for name, value in small.items():
-            value = np.ascontiguousarray(value, dtype=np.int64)
-            binding.bind_cpu_input(name, value)
-            moved += value.nbytes
-        for i in range(self.count):
-            binding.bind_output(f"y{i}", self.device_kind, self.device_index)
-        session.run_with_iobinding(binding)
-        if self.counters is not None:
-            self.counters.runs += 1
-            self.counters.to_device += moved
-        return list(binding.get_outputs())
+        device = (self.device_kind, self.device_index)
+        return bound_run(
+            self.sessions[kind], self.counters,
+            host_inputs={name: np.ascontiguousarray(value, dtype=np.int64)
+                         for name, value in small.items()},
+            inputs={f"x{i}_{j}": tensors[i * arity + j]
+                    for i in range(self.count) for j in range(arity)},
+            outputs=[(f"y{i}", device) for i in range(self.count)])
 
     def take(self, cache: Sequence[ort.OrtValue], index: np.ndarray) -> list[ort.OrtValue]:
         return self._run("take", cache, index=index)

@@ -56,16 +56,21 @@ exports), like the row operations of `tfserve.runtime.cache_graphs`.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
-if TYPE_CHECKING:
-    from tfserve.generation.search import SampleDraws
-    from tfserve.runtime.cache import RunCounters
+from tfserve.runtime.ort_runs import (
+    HOST,
+    RunCounters,
+    bound_run,
+    fetch,
+    model_bytes,
+    small_session,
+)
+from tfserve.step import SampleDraws
 
-OPSET = 17
 # the draw's small inputs, per draw, and their element types on the host
 DRAW_INPUTS = {"draw_rows": np.int64, "draw_uniforms": np.float64,
                "draw_temperature": np.float32, "draw_top_k": np.int64,
@@ -281,10 +286,7 @@ def draw_graph(logits_type: int) -> bytes:
     _draw_nodes(g, "logits", logits_type, DRAW_OUTPUTS)
     inputs = [helper.make_tensor_value_info("logits", logits_type, ["batch", "time", "vocab"]),
               *_input_infos((DRAW_TOP_K, DRAW_TOP_P, *DRAW_INPUTS))]
-    graph = g.graph("sample_draws", _output_infos(DRAW_OUTPUTS), inputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = 8
-    return model.SerializeToString()
+    return model_bytes(g.graph("sample_draws", _output_infos(DRAW_OUTPUTS), inputs))
 
 
 def add_draw(graph: Any, logits: str) -> None:
@@ -372,11 +374,12 @@ class DeviceSampler:
 
     def __init__(self, device_kind: str, device_index: int, providers: list[Any],
                  counters: RunCounters | None = None) -> None:
-        """counters: a `RunCounters` that the runs and the bytes they move are added to.
-        A graph per logits element type is built on its first use."""
+        """counters: the `RunCounters` that the runs and the bytes they move are added to
+        (a fresh one where None). A graph per logits element type is built on its first
+        use; the drawn tokens come to the host, so the device names only the providers'."""
         self.device_kind, self.device_index = device_kind, device_index
         self.providers = providers
-        self.counters = counters
+        self.counters = counters if counters is not None else RunCounters()
         self.sessions: dict[str, ort.InferenceSession] = {}
 
     def _session(self, element: str) -> ort.InferenceSession:
@@ -389,29 +392,20 @@ class DeviceSampler:
             if element not in types:
                 raise TypeError(f"sampling on the device takes float or float16 logits, not "
                                 f"{element}")
-            options = ort.SessionOptions()
-            options.log_severity_level = 3
-            session = self.sessions[element] = ort.InferenceSession(
-                draw_graph(types[element]), sess_options=options, providers=self.providers)
+            session = self.sessions[element] = small_session(draw_graph(types[element]),
+                                                             self.providers)
         return session
 
     def draw(self, logits: ort.OrtValue, draws: SampleDraws) -> tuple[np.ndarray, np.ndarray]:
         """One token per draw from the rows of logits [B,T,V] (their last position): the
         drawn ids [S] int64 and their log-probabilities [S] float32 (logit - logsumexp of
         the unscaled row)."""
-        session = self._session(logits.data_type())
         feeds = draw_feeds(draws, logits.shape()[-1])
-        binding = session.io_binding()
-        binding.bind_ortvalue_input("logits", logits)
-        for name, value in feeds.items():
-            if name != DRAW:  # the step graph's condition: this graph always draws
-                binding.bind_cpu_input(name, value)
-        for name in DRAW_OUTPUTS:
-            binding.bind_output(name, "cpu")
-        session.run_with_iobinding(binding)
-        token, log_prob = (value.numpy() for value in binding.get_outputs())
-        if self.counters is not None:
-            self.counters.runs += 1
-            self.counters.to_device += moved_bytes(feeds)
-            self.counters.to_host += token.nbytes + log_prob.nbytes
-        return token, log_prob
+        # the step graph's condition DRAW is not an input here: this graph always draws
+        token, log_prob = bound_run(
+            self._session(logits.data_type()), self.counters,
+            host_inputs={name: feeds[name] for name in DRAW_INPUTS},
+            conditions={name: feeds[name] for name in (DRAW_TOP_K, DRAW_TOP_P)},
+            inputs={"logits": logits},
+            outputs=[(name, HOST) for name in DRAW_OUTPUTS])
+        return fetch(token, self.counters), fetch(log_prob, self.counters)

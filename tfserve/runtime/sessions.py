@@ -19,7 +19,6 @@ import onnxruntime as ort
 
 from tfserve.artifacts.manifest import (
     GROUPED_CROSS_REVISION,
-    MANIFEST_FILE,
     SHARED_TABLE_REVISION,
     TOP_CANDIDATES,
     TOP_OUTPUTS,
@@ -30,20 +29,23 @@ from tfserve.artifacts.manifest import (
     encoder_io,
     read_graph_facts,
 )
-from tfserve.generation import StepOutput
-from tfserve.runtime.cache import CacheStorage, DeviceCache, HostCache, RunCounters
+from tfserve.runtime.cache import CacheStorage, DecoderNames, HostCache
+from tfserve.runtime.device_cache import DeviceCache
+from tfserve.runtime.load_checks import check_against_graphs, first_line
+from tfserve.runtime.ort_runs import RunCounters
 from tfserve.runtime.packed_weights import constant_weights
 from tfserve.runtime.providers import PROVIDERS, ProviderError, make_session, parse_device
 from tfserve.runtime.sampling_graph import STEP_DRAW_INPUTS
 from tfserve.runtime.shared_weights import SharedInitializers, shared_initializers
 from tfserve.runtime.static_cache import StaticCache
-from tfserve.runtime.static_step import SELF_ATTENTION_MASK, static_decoder
+from tfserve.runtime.static_step import static_decoder
 from tfserve.runtime.step_graph import (
     CACHE_ROWS,
     loads_rewritten_graphs,
     reads_graph_bytes,
     rewritten_decoder,
 )
+from tfserve.step import SampleDraws, StepOutput
 from tfserve.text.tokenizer import Tokenizer
 
 
@@ -120,6 +122,11 @@ class Runtime:
         # The static cache's rows travel with its StaticPast: the batch never passes them
         self.reorders_in_step = (self.device_cache and not self.static_cache
                                  and loads_rewritten_graphs())
+        # the inputs the load's rewrite adds: cache_rows (and the draws where it reorders in
+        # the step)
+        self.rewrite_inputs = ([CACHE_ROWS] if self.reorders_in_step or self.static_cache
+                               else []) + (list(STEP_DRAW_INPUTS) if self.reorders_in_step
+                                           else [])
         cpu = self.device_kind == "cpu"
         self.pack_weights = cpu if pack_weights is None else pack_weights and cpu
         # the decoder graph as this runtime runs it, and whether its tied table became a
@@ -143,6 +150,8 @@ class Runtime:
         self.top_outputs = [name for name in TOP_OUTPUTS if name in graph_outputs]
         if len(self.top_outputs) != len(TOP_OUTPUTS):
             self.top_outputs = []
+        self._names = DecoderNames(tuple(self._past_names), tuple(self._cross_names),
+                                   tuple(self.decoder_outputs), tuple(self.top_outputs))
         # the decoder takes cross K/V with one row per group of G rows (a sentence's beams)
         self.grouped_cross = self.graph_revision >= GROUPED_CROSS_REVISION
         self.vocab_size = cfg.vocab_size
@@ -166,7 +175,7 @@ class Runtime:
                                              self._session.get_providers())
         else:
             self.cache_storage = HostCache(*cache_shape)
-        self._check_against_graphs(encoder_facts, decoder_facts)
+        check_against_graphs(self, encoder_facts, decoder_facts)
         if isinstance(self.cache_storage, StaticCache):
             # the check stepped at the last target position: a bucket serving rarely needs
             self.cache_storage.drop_pool()
@@ -192,154 +201,18 @@ class Runtime:
                 return packed, True
         return model, False
 
-    def _check_against_graphs(self, encoder_facts: GraphFacts,
-                              decoder_facts: GraphFacts | None) -> None:
-        """Refuse, naming the field, its value and the graph's figure, a manifest that claims
-        what its graphs do not take, instead of failing requests later (or, on CUDA, where an
-        out-of-range position is not an error, answering from garbage).
-
-        From the loaded graphs' inputs and outputs: the layers (the names), heads, head dim and
-        float type (past_key_0 [B,H,P,Dh]), the vocabulary (logits [B,T,V]). From the files:
-        the position tables (RotaryEmbedding cos/sin caches, sinusoidal or learned tables)
-        bound max_source_positions and max_target_positions; graphs that compute positions
-        (fp16 RoPE) or have relative ones (T5's bias per distance bucket) have no bound.
-        Then one decoder step at the last target position runs, which proves that the graphs
-        run together and, on CPU, that the position is taken. An encoder-only model: its
-        encoder graph's names, its position table, one encoder run.
-        """
-        where = self.directory / MANIFEST_FILE
-        cfg = self.config
-        files = {"encoder": self.manifest.encoder_file, "decoder": self.manifest.decoder_file}
-        # the load's rewrite: cache_rows (and the draws where it reorders in the step); the
-        # static cache computes the self-attention mask
-        step_inputs = [CACHE_ROWS] if self.reorders_in_step or self.static_cache else []
-        if self.reorders_in_step:
-            step_inputs += STEP_DRAW_INPUTS
-        decoder_inputs = [name for name in self.decoder_inputs
-                          if not (self.static_cache and name == SELF_ATTENTION_MASK)]
-        expected = {"encoder": (self.encoder_inputs, self.encoder_outputs),
-                    "decoder": (decoder_inputs + step_inputs, self.decoder_outputs)}
-        graphs = [("encoder", self.encoder)]
-        if self.decoder is not None:
-            graphs.append(("decoder", self.decoder))
-        for graph, loaded in graphs:
-            inputs = {value.name for value in loaded.get_inputs()}
-            outputs = {value.name for value in loaded.get_outputs()}
-            # layers: the decoder takes past_key_l and the encoder gives cross_key_l per layer
-            marker, names = ("cross_key_", outputs) if graph == "encoder" else ("past_key_",
-                                                                                 inputs)
-            layers = sum(name.startswith(marker) for name in names)
-            if layers != cfg.decoder_layers:
-                raise ValueError(f"{where}: model.decoder_layers is {cfg.decoder_layers}, but "
-                                 f"{files[graph]} has {layers} decoder layers ({marker}*)")
-            wanted_in, wanted_out = expected[graph]
-            for kind, wanted, have in (("input", wanted_in, inputs),
-                                       ("output", wanted_out, outputs)):
-                missing = [name for name in wanted if name not in have]
-                if missing:
-                    raise ValueError(f"{where}: {files[graph]} has no {kind} {missing[0]!r}: "
-                                     f"not a tfserve {graph} graph")
-            extra = sorted(inputs - set(wanted_in))
-            if extra:
-                raise ValueError(f"{where}: {files[graph]} takes an input {extra[0]!r} that "
-                                 f"the {graph} interface does not have")
-        if self.decoder is not None:
-            self._check_decoder(files)
-        if self.tokenizer.vocab_size > cfg.vocab_size:
-            name = self.manifest.tokenizer.vocab or self.manifest.tokenizer.source
-            raise ValueError(f"{where}: model.vocab_size is {cfg.vocab_size}, but the "
-                             f"tokenizer ({name}) has {self.tokenizer.vocab_size} ids")
-        self._check_positions(encoder_facts, decoder_facts)
-        self._run_once(files)
-
-    def _check_decoder(self, files: dict[str, str]) -> None:
-        """The decoder graph's heads, head dim, float type and vocabulary against the
-        manifest (_check_against_graphs)."""
-        assert self.decoder is not None
-        where = self.directory / MANIFEST_FILE
-        cfg = self.config
-        past = next(v for v in self.decoder.get_inputs() if v.name == "past_key_0")
-        heads, head_dim = past.shape[1], past.shape[3]  # [B,H,P,Dh]
-        if isinstance(heads, int) and heads != cfg.num_heads:
-            raise ValueError(f"{where}: model.num_heads is {cfg.num_heads}, but "
-                             f"{files['decoder']}'s past_key_0 has {heads} heads")
-        if isinstance(head_dim, int) and head_dim != cfg.head_dim:
-            source = (f"model.attention_head_dim is {cfg.head_dim}" if cfg.attention_head_dim
-                      else f"model.d_model {cfg.d_model} / num_heads {cfg.num_heads} is a "
-                           f"head dim of {cfg.head_dim}")
-            raise ValueError(f"{where}: {source}, but {files['decoder']}'s past_key_0 has "
-                             f"{head_dim}")
-        float_type = "tensor(float16)" if self.manifest.dtype == "fp16" else "tensor(float)"
-        if past.type != float_type:
-            raise ValueError(f"{where}: dtype is {self.manifest.dtype}, but "
-                             f"{files['decoder']}'s past_key_0 is {past.type}")
-        logits = next(v for v in self.decoder.get_outputs() if v.name == "logits")
-        vocab = logits.shape[-1]  # [B,T,V]
-        if isinstance(vocab, int) and vocab != cfg.vocab_size:
-            raise ValueError(f"{where}: model.vocab_size is {cfg.vocab_size}, but the decoder "
-                             f"graph's logits have {vocab} entries ({files['decoder']})")
-
-    def _check_positions(self, encoder_facts: GraphFacts,
-                         decoder_facts: GraphFacts | None) -> None:
-        """The graphs' position tables must hold max_source_positions / max_target_positions
-        (_check_against_graphs)."""
-        where = self.directory / MANIFEST_FILE
-        cfg = self.config
-        files = {"encoder": self.manifest.encoder_file, "decoder": self.manifest.decoder_file}
-        checked = [("encoder", encoder_facts, "max_source_positions", cfg.max_source_positions)]
-        if decoder_facts is not None:
-            checked.append(("decoder", decoder_facts, "max_target_positions",
-                            cfg.max_target_positions))
-        for graph, facts, field_name, limit in checked:
-            # relative positions (T5) read a table of buckets, not of positions: any length
-            tables = facts.position_tables() if cfg.positions != "relative" else []
-            if not tables:
-                continue
-            table, rows = min(tables, key=lambda item: item[1])
-            # position p reads row p + position_offset (BART's learned tables, M2M100's)
-            rows -= cfg.position_offset if cfg.positions in ("sinusoidal", "learned") else 0
-            if limit > rows:
-                takes = (f"the encoder graph cannot take {limit} tokens" if graph == "encoder"
-                         else f"the decoder graph cannot take position {limit - 1}")
-                offset = (f" after its {cfg.position_offset} offset rows"
-                          if cfg.position_offset else "")
-                raise ValueError(f"{where}: model.{field_name} is {limit}, but {takes}: "
-                                 f"{files[graph]}'s position table {table!r} has {rows} rows"
-                                 f"{offset}")
-
-    def _run_once(self, files: dict[str, str]) -> None:
-        """Encode one token and decode one step at the last target position (an
-        encoder-only model: encode)."""
-        where = self.directory / MANIFEST_FILE
-        cfg = self.config
-        input_ids = np.array([[cfg.eos_token_id]], np.int64)  # [1,1]
-        try:
-            _, cross = self.encode(input_ids, np.ones_like(input_ids))
-        except Exception as exc:  # onnxruntime's own classes too
-            raise ValueError(f"{self.directory / files['encoder']}: the encoder graph does "
-                             f"not run ({_first_line(exc)})") from None
-        if self.decoder is None:
-            return
-        last = cfg.max_target_positions - 1
-        try:
-            out = self.step(np.array([[cfg.decoder_start_token_id]], np.int64),  # [1,1]
-                            np.array([[last]], np.int64),  # [1,1]: the last position
-                            np.ones((1, 1), np.int64), np.ones((1, 1), np.int64),
-                            self.empty_past(1), cross)
-        except Exception as exc:
-            raise ValueError(f"{where}: the decoder graph cannot take position {last} "
-                             f"(model.max_target_positions {cfg.max_target_positions}): "
-                             f"{_first_line(exc)}") from None
-        vocab = out.logits.shape[-1]  # [1,1,V]
-        if vocab != cfg.vocab_size:
-            raise ValueError(f"{where}: model.vocab_size is {cfg.vocab_size}, but the decoder "
-                             f"graph's logits have {vocab} entries ({files['decoder']})")
-
     @property
     def top_candidates(self) -> int:
         """The candidates per position each step gives (generation.Backend.top_candidates):
         the graph's top outputs' K, 0 without them."""
         return min(TOP_CANDIDATES, self.vocab_size) if self.top_outputs else 0
+
+    @property
+    def draws_in_step(self) -> bool:
+        """Whether `step` takes draws and makes them where the logits are (the step
+        contract): the device placements', so that no row of the logits crosses to the
+        host; the host placement's searches draw from numpy rows."""
+        return self.cache_storage.draws_on_device
 
     @property
     def counters(self) -> RunCounters:
@@ -386,13 +259,16 @@ class Runtime:
         past: list[Any],
         cross: list[Any],
         need_logits: bool = True,
-        cache_rows: np.ndarray | None = None,
+        parents: np.ndarray | None = None,
+        draws: SampleDraws | None = None,
     ) -> StepOutput:
-        """One step -> logits float32 [B,T,V] (None unless need_logits), the present cache
-        [k_0, v_0, ...] and the graph's top candidates when it has them (graph revision 2).
+        """One step (the step contract, `tfserve.step.Backend.step`) -> logits float32
+        [B,T,V] (None unless need_logits), the present cache [k_0, v_0, ...], the graph's
+        top candidates when it has them (graph revision 2), and the tokens of `draws`.
 
-        cache_rows [B]: the row of `past` each row continues (None: its own), where the
-        runtime reorders in the step (`reorders_in_step`); else `past` must be in row order.
+        parents [B]: the row of `past` each row continues (None: its own); the placement
+        honours them its own way (`tfserve.runtime.cache`). draws: made where the logits
+        are (`draws_in_step`; the host placement refuses them).
         """
         if self.decoder is None:
             raise ValueError(f"{self.directory} is an encoder-only model (model.decoder_layers "
@@ -403,16 +279,9 @@ class Runtime:
             "self_attention_mask": _int64(self_attention_mask),
             "encoder_attention_mask": _int64(encoder_attention_mask),
         }
-        if self.reorders_in_step:
-            small[CACHE_ROWS] = (np.arange(small["input_ids"].shape[0], dtype=np.int64)
-                                 if cache_rows is None else _int64(cache_rows))
-        elif cache_rows is not None:
-            raise ValueError("cache_rows: this runtime does not reorder in the step "
-                             "(reorders_in_step is False)")
-        return self.cache_storage.run_decoder(self.decoder, small, self._past_names, past,
-                                              self._cross_names, cross, self.decoder_outputs,
-                                              self.top_outputs,
-                                              need_logits or not self.top_outputs)
+        return self.cache_storage.run_decoder(
+            self.decoder, self._names, small, past, cross, need_logits or not self.top_outputs,
+            None if parents is None else _int64(parents), draws)
 
     # -- cache rows (generation.Backend): numpy arrays or OrtValues (tfserve.runtime.cache) --
 
@@ -460,10 +329,6 @@ def _int64(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.int64)
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-
-
 def _graph_facts(path: Path, directory: Path) -> GraphFacts:
     """What the graph file declares; its external data files confined to `directory`."""
     facts = read_graph_facts(path)
@@ -487,6 +352,6 @@ def _load_graph(path: Path, session_args: dict[str, Any],
     except ProviderError:
         raise  # the device's own message
     except Exception as exc:  # onnxruntime's own classes (InvalidProtobuf, Fail, ...)
-        raise ValueError(f"{path}: not a loadable ONNX graph ({_first_line(exc)})") from None
+        raise ValueError(f"{path}: not a loadable ONNX graph ({first_line(exc)})") from None
 
 

@@ -34,7 +34,7 @@ valid column (no softmax over nothing). Each bucket's small inputs
 (`input_ids`, `position_ids`, `cache_rows`, `encoder_attention_mask`) and outputs (logits,
 top candidates, present K/V) are OrtValues made once; a step copies the inputs into them
 (`OrtValue.update_inplace`; the mask only when it changed) and runs one of the bucket's two
-IO bindings (`_Replay`: one per buffer set it reads), which are bound once. Only the top
+IO bindings (`Replay`: one per buffer set it reads), which are bound once. Only the top
 candidates cross to the host (and the logits when the step is asked for them).
 
 Two buffer sets per bucket, swapped at each step: a step reads one and writes the other, so
@@ -59,149 +59,39 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
-from tfserve.generation import StepOutput, narrow_first
-from tfserve.runtime.cache import DeviceCache
+from tfserve.runtime.cache import DecoderNames
+from tfserve.runtime.device_cache import DeviceCache
+from tfserve.runtime.ort_runs import (
+    bound_run,
+    float_element,
+    run_kept_binding,
+    small_session,
+)
+from tfserve.runtime.static_buffers import (
+    ENCODER_ATTENTION_MASK,
+    ROW_INPUTS,
+    Buffers,
+    CrossBuffers,
+    Replay,
+    StaticCross,
+    StaticPast,
+    columns,
+    rank_within,
+)
 from tfserve.runtime.static_step import (
     CROSS_PADS,
     CROSS_ROWS,
     SELF_ATTENTION_MASK,
     cross_write_graph,
 )
-from tfserve.runtime.step_graph import CACHE_ROWS
+from tfserve.step import SampleDraws, StepOutput, narrow_first
 
-ENCODER_ATTENTION_MASK = "encoder_attention_mask"
-# the step's inputs with one row per decoder row, [R,1] or [R]; padding rows read 0
-ROW_INPUTS = ("input_ids", "position_ids", CACHE_ROWS)
-_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
-                "tensor(int64)": np.int64, "tensor(int32)": np.int32}
-
-
-class _Buffers:
-    """One bucket's two buffer sets, 2L OrtValues [R,H,L,Dh] each; `current` holds the
-    cache, the other is written by the next step. `generation` counts the swaps: a
-    `StaticPast` of an older generation names rows that were overwritten since. `group`:
-    the decoder rows per source slot (R = slots x group). `replay`: the bucket's bound step,
-    made at its first step."""
-
-    def __init__(self, sets: list[list[ort.OrtValue]], rows: int, length: int,
-                 group: int = 1) -> None:
-        self.sets = sets
-        self.rows, self.length, self.group = rows, length, group
-        self.current = 0
-        self.generation = 0
-        self.replay: _Replay | None = None
-
-
-class _CrossBuffers:
-    """One cross bucket: 2L OrtValues [Rc,H,Sc,Dh], a row (slot) per source. `writes` counts
-    the write runs; `written[s]` is the count at slot s's last write, so a `StaticCross` made
-    before it knows that its slot holds another source now."""
-
-    def __init__(self, values: list[ort.OrtValue], rows: int, length: int) -> None:
-        self.values = values
-        self.rows, self.length = rows, length
-        self.writes = 0
-        self.written = np.zeros(rows, np.int64)  # [Rc]
-
-
-@dataclass(frozen=True, eq=False)
-class StaticPast:
-    """A static cache as a search holds it: row i continues row `rows[i]` of `buffers`' current
-    set (-1: a row without history, which reads nothing). `buffers` None: no row has history
-    (`empty_past`). `scratch`: taken without reuse, so a step on it must leave the current
-    set as it is (the step writes the other set and does not swap)."""
-
-    buffers: _Buffers | None
-    rows: np.ndarray  # int64 [n]
-    generation: int = 0
-    scratch: bool = False
-
-
-@dataclass(frozen=True, eq=False)
-class StaticCross:
-    """Cross K/V as a search holds them: source i is row (slot) `rows[i]` of `buffers`; a
-    slot repeated is a source whose rows each take it (the per-row layout). `writes`:
-    `buffers.writes` when it was made."""
-
-    buffers: _CrossBuffers
-    rows: np.ndarray  # int64 [M]
-    writes: int
-
-    def current(self) -> bool:
-        """Whether every slot still holds the source it held when this was made."""
-        return not len(self.rows) or int(self.buffers.written[self.rows].max()) <= self.writes
-
-
-class _Replay:
-    """A bucket's step bound once: the small inputs and the outputs as OrtValues made here
-    (inputs [R,1], [R] and [Rc,Sc], copied into each step; logits [R,1,V], top candidates
-    [R,1,K]), and two IO bindings, `bindings[s]` reading buffer set s and writing the other,
-    with the cross buffers. `bind` makes a binding of the same values for a step that reads
-    other buffers (a bucket's first step, after growing)."""
-
-    def __init__(self, storage: StaticCache, decoder: ort.InferenceSession,
-                 target: _Buffers, cross: _CrossBuffers, names: _StepNames) -> None:
-        self.decoder, self.cross, self.names = decoder, cross, names
-        rows = target.rows
-        memory, index = storage.memory, storage.index
-        # host copies of the inputs, [R,1] and [R]: written here, then copied to the device
-        self.host = {
-            "input_ids": np.zeros((rows, 1), np.int64),  # [R,1]
-            "position_ids": np.zeros((rows, 1), np.int64),  # [R,1]
-            CACHE_ROWS: np.zeros(rows, np.int64),  # [R]
-            ENCODER_ATTENTION_MASK: np.zeros((cross.rows, cross.length), np.int64),  # [Rc,Sc]
-        }
-        self.inputs = {
-            name: ort.OrtValue.ortvalue_from_shape_and_type(array.shape, array.dtype, memory,
-                                                            index)
-            for name, array in self.host.items()
-        }
-        self.mask_sent: np.ndarray | None = None  # the mask the device holds
-        outputs = {value.name: value for value in decoder.get_outputs()}
-        self.outputs = {}
-        for name in [names.outputs[0], *names.top_outputs]:  # [R,1,V], [R,1,K]
-            declared = outputs[name]
-            if not all(isinstance(dim, int) for dim in declared.shape[2:]):
-                raise ValueError(f"the static KV cache binds {name!r} at fixed shapes; the "
-                                 f"decoder declares it {declared.shape}")
-            shape = [rows, 1, *declared.shape[2:]]
-            self.outputs[name] = ort.OrtValue.ortvalue_from_shape_and_type(
-                shape, _NUMPY_TYPES[declared.type], memory, index)
-        self.bindings = [self.bind(target.sets[s], target.sets[1 - s]) for s in (0, 1)]
-
-    def bind(self, read: Sequence[ort.OrtValue], write: Sequence[ort.OrtValue]
-             ) -> ort.IOBinding:
-        """An IO binding of this step reading the self-attention buffers `read`, writing
-        `write` ([R,H,L,Dh] each, in place) and the outputs into this replay's values."""
-        names = self.names
-        binding = self.decoder.io_binding()
-        for name, value in self.inputs.items():
-            binding.bind_ortvalue_input(name, value)
-        for name, value in zip(names.past, read):  # [R',H,L,Dh]
-            binding.bind_ortvalue_input(name, value)
-        for name, value in zip(names.cross, self.cross.values):  # [Rc,H,Sc,Dh]
-            binding.bind_ortvalue_input(name, value)
-        for name, value in self.outputs.items():
-            binding.bind_ortvalue_output(name, value)
-        for name, value in zip(names.outputs[1:], write):  # [R,H,L,Dh]
-            binding.bind_ortvalue_output(name, value)
-        return binding
-
-
-@dataclass(frozen=True)
-class _StepNames:
-    """The decoder's input and output names a step binds."""
-
-    past: tuple[str, ...]
-    cross: tuple[str, ...]
-    outputs: tuple[str, ...]  # logits, then the present K/V
-    top_outputs: tuple[str, ...]
+__all__ = ["StaticCache", "StaticCross", "StaticPast"]
 
 
 class StaticCache(DeviceCache):
@@ -245,7 +135,6 @@ class StaticCache(DeviceCache):
         self._cross_writer: ort.InferenceSession | None = None
         self.buckets_made = 0  # buffer pairs allocated (not taken from the pool)
         self.cross_buckets_made = 0  # cross buffers allocated
-        self._step_place: np.ndarray | None = None  # [n] the kept logits' row of each row
 
     # -- buffers ----------------------------------------------------------------------------
 
@@ -280,25 +169,25 @@ class StaticCache(DeviceCache):
             position = next((i for i, (kept, _) in enumerate(pool) if kept == shape), None)
             return pool.pop(position)[1] if position is not None else None
 
-    def _take(self, rows: int, length: int, group: int) -> _Buffers:
+    def _take(self, rows: int, length: int, group: int) -> Buffers:
         """A pair of buffer sets [R,H,L,Dh] from the pool, or new ones."""
         sets = self._pooled(self._pool, (rows, length))
         if sets is None:
             self.buckets_made += 1
             shape = (rows, self.heads, length, self.head_dim)  # [R,H,L,Dh]
             sets = [[self._zeros(shape) for _ in range(self.tensors)] for _ in range(2)]
-        buffers = _Buffers(sets, rows, length, group)
+        buffers = Buffers(sets, rows, length, group)
         weakref.finalize(buffers, self._release, self._pool, sets, (rows, length))
         return buffers
 
-    def _take_cross(self, rows: int, length: int) -> _CrossBuffers:
+    def _take_cross(self, rows: int, length: int) -> CrossBuffers:
         """Cross buffers [Rc,H,Sc,Dh] from the pool, or new ones."""
         values = self._pooled(self._cross_pool, (rows, length))
         if values is None:
             self.cross_buckets_made += 1
             shape = (rows, self.heads, length, self.head_dim)  # [Rc,H,Sc,Dh]
             values = [self._zeros(shape) for _ in range(self.tensors)]
-        buffers = _CrossBuffers(values, rows, length)
+        buffers = CrossBuffers(values, rows, length)
         weakref.finalize(buffers, self._release, self._cross_pool, values, (rows, length))
         return buffers
 
@@ -319,37 +208,28 @@ class StaticCache(DeviceCache):
 
     # -- the cross K/V ----------------------------------------------------------------------
 
-    def _write_cross(self, buffers: _CrossBuffers, rows: np.ndarray,
+    def _write_cross(self, buffers: CrossBuffers, rows: np.ndarray,
                      part: Sequence[Any]) -> None:
         """Write `part` (2L tensors [N,H,S,Dh], S <= Sc) into slots `rows` [N] of `buffers`,
         in place (one run of `static_step.cross_write_graph`)."""
         if not len(rows):
             return
         if self._cross_writer is None:
-            from onnx import TensorProto
-
-            elem = TensorProto.FLOAT16 if np.dtype(self.dtype) == np.float16 else \
-                TensorProto.FLOAT
-            options = ort.SessionOptions()
-            options.log_severity_level = 3
-            self._cross_writer = ort.InferenceSession(
-                cross_write_graph(self.tensors, elem), sess_options=options,
-                providers=self.providers)
+            self._cross_writer = small_session(
+                cross_write_graph(self.tensors, float_element(self.dtype)), self.providers)
         part = [self._device_value(value) for value in part]
         pads = np.zeros(8, np.int64)  # [b0,h0,t0,d0, b1,h1,t1,d1]: zeros after the columns
         pads[6] = buffers.length - part[0].shape()[2]
-        small = {CROSS_ROWS: np.asarray(rows, np.int64).reshape(-1, 1),  # [N,1]
-                 CROSS_PADS: pads}
-        binding = self._cross_writer.io_binding()
-        for name, value in small.items():
-            binding.bind_cpu_input(name, value)
-            self.counters.to_device += value.nbytes
+        inputs = {}
         for i, (buffer, value) in enumerate(zip(buffers.values, part)):
-            binding.bind_ortvalue_input(f"buffer_{i}", buffer)  # [Rc,H,Sc,Dh]
-            binding.bind_ortvalue_input(f"part_{i}", value)  # [N,H,S,Dh]
-            binding.bind_ortvalue_output(f"out_{i}", buffer)  # in place: the same address
-        self.counters.runs += 1
-        self._cross_writer.run_with_iobinding(binding)
+            inputs[f"buffer_{i}"] = buffer  # [Rc,H,Sc,Dh]
+            inputs[f"part_{i}"] = value  # [N,H,S,Dh]
+        bound_run(self._cross_writer, self.counters,
+                  host_inputs={CROSS_ROWS: np.asarray(rows, np.int64).reshape(-1, 1),  # [N,1]
+                               CROSS_PADS: pads},
+                  inputs=inputs,
+                  # in place: each buffer keeps its address
+                  outputs=[(f"out_{i}", buffer) for i, buffer in enumerate(buffers.values)])
         buffers.writes += 1
         buffers.written[rows] = buffers.writes
 
@@ -361,7 +241,7 @@ class StaticCache(DeviceCache):
         the same slot of bigger ones) when they lack slots or columns."""
         counts = [part[0].shape()[0] if isinstance(part[0], ort.OrtValue) else len(part[0])
                   for part in parts]
-        longest = max([length, *(_columns(part[0]) for part in parts)])
+        longest = max([length, *(columns(part[0]) for part in parts)])
         buffers = running.buffers if running is not None else None
         sources = len(np.unique(kept)) + sum(counts)
         if buffers is None or buffers.rows < sources or buffers.length < longest:
@@ -389,23 +269,20 @@ class StaticCache(DeviceCache):
 
     # -- the step ---------------------------------------------------------------------------
 
-    def run_decoder(
-        self,
-        decoder: ort.InferenceSession,
-        feeds: dict[str, np.ndarray],
-        past_names: list[str],
-        past: Sequence[Any],
-        cross_names: list[str],
-        cross: Sequence[Any],
-        outputs: list[str],
-        top_outputs: list[str],
-        need_logits: bool = True,
-    ) -> StepOutput:
+    def run_decoder(self, decoder: ort.InferenceSession, names: DecoderNames,
+                    feeds: dict[str, np.ndarray], past: Any, cross: Any,
+                    need_logits: bool = True, parents: np.ndarray | None = None,
+                    draws: SampleDraws | None = None) -> StepOutput:
+        """The bucket's bound step (module docstring); `parents` are bookkeeping on the
+        rows the StaticPast names, and `draws` a run of the standalone draw graph on the
+        bucket's logits (the static rewrite has no draw of its own)."""
         if not isinstance(past, StaticPast):
             raise TypeError(
                 "the static KV cache steps the past its own steps made "
                 "(empty_past, a step's present), not tensors"
             )
+        if parents is not None:  # the run gathers the rows the StaticPast names
+            past = self.take_rows(past, parents, reuse=True)
         positions = feeds["position_ids"]  # [n,1]
         rows = len(past.rows)
         if positions.shape != (rows, 1):
@@ -439,7 +316,7 @@ class StaticCache(DeviceCache):
         # row i's source slot, and its rank among that slot's rows: its decoder row is
         # slot x G + rank, which the grouped cross-attention maps to the slot (b // G)
         slot = static_cross.rows[np.arange(rows) // (rows // sources)]  # [n]
-        rank = _rank_within(slot)  # [n]
+        rank = rank_within(slot)  # [n]
         group = max(int(rank.max()) + 1, self.GROUP, source.group if source else 1)
         bucket_rows = cross_buffers.rows * group  # R
         place = slot * group + rank  # [n] the decoder row of each row
@@ -456,67 +333,33 @@ class StaticCache(DeviceCache):
             target = self._take(source.rows, source.length, group)
         replay = target.replay
         if replay is None or replay.cross is not cross_buffers or replay.decoder is not decoder:
-            names = _StepNames(tuple(past_names), tuple(cross_names), tuple(outputs),
-                               tuple(top_outputs))
-            replay = target.replay = _Replay(self, decoder, target, cross_buffers, names)
+            replay = target.replay = Replay(self.device, decoder, target, cross_buffers, names)
         if read is None or read is target.sets[target.current]:  # the bucket's own binding
             binding = replay.bindings[target.current]
         else:  # the first step of a bucket reads the old one's buffers (or padded copies)
             binding = replay.bind(read, target.sets[1 - target.current])
-        self._copy_inputs(replay, feeds, np.maximum(past.rows, 0), place, static_cross)
-        self.counters.runs += 1
-        decoder.run_with_iobinding(binding)
+        self.counters.to_device += replay.copy_inputs(feeds, np.maximum(past.rows, 0), place,
+                                                     static_cross)
+        run_kept_binding(decoder, binding, self.counters)
         # the written set is the cache now: the run is done, and a failed one changed nothing
         target.current = 1 - target.current
         target.generation += 1
         present = StaticPast(target, place.astype(np.int64), target.generation)
-        # inside DeviceCache.logits_kept(), a step that does not fetch its logits leaves
-        # them for `draw`: the bucket's [R,1,V], whose rows are the decoder's (`place`)
-        kept = self._keep_logits and not need_logits
-        self.step_logits = replay.outputs[outputs[0]] if kept else None
-        self._step_place = place if kept else None
-        tops = [self._fetch_rows(replay.outputs[name], place) for name in top_outputs]
+        tops = [self._fetch_rows(replay.outputs[name], place) for name in names.top_outputs]
+        drawn: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
+        if draws is not None:  # from the bucket's [R,1,V]: each draw's row at its decoder row
+            drawn = self.sampler.draw(replay.outputs[names.outputs[0]], draws._replace(
+                rows=place[np.asarray(draws.rows, np.int64)]))
         logits = None
         if need_logits:  # [n,1,V]
-            logits = self._fetch_rows(replay.outputs[outputs[0]], place)
+            logits = self._fetch_rows(replay.outputs[names.outputs[0]], place)
             logits = logits.astype(np.float32, copy=False)
-        return StepOutput(logits, present, *tops)
-
-    def draw(self, draws: Any) -> tuple[np.ndarray, np.ndarray]:
-        """DeviceCache.draw on the last step's logits [R,1,V]: each draw's row of the batch
-        read at its decoder row."""
-        if self._step_place is not None:
-            draws = draws._replace(rows=self._step_place[np.asarray(draws.rows, np.int64)])
-        return super().draw(draws)  # type: ignore[misc]
-
-    def _copy_inputs(self, replay: _Replay, feeds: dict[str, np.ndarray],
-                     cache_rows: np.ndarray, place: np.ndarray, cross: StaticCross) -> None:
-        """The step's inputs into the replay's values: each row's at its decoder row `place`,
-        padding rows 0; the encoder mask at the sources' slots, a slot no source has one
-        valid column (copied only when it changed)."""
-        given = {"input_ids": feeds["input_ids"], "position_ids": feeds["position_ids"],
-                 CACHE_ROWS: cache_rows}
-        for name in ROW_INPUTS:
-            host = replay.host[name]  # [R,1] or [R]
-            host.fill(0)
-            host.reshape(-1)[place] = np.asarray(given[name], np.int64).reshape(-1)  # [n]
-            replay.inputs[name].update_inplace(host)
-            self.counters.to_device += host.nbytes
-        mask = replay.host[ENCODER_ATTENTION_MASK]  # [Rc,Sc]
-        given_mask = feeds[ENCODER_ATTENTION_MASK]  # [M,S]
-        mask.fill(0)
-        mask[:, 0] = 1  # a slot no row reads: one valid column, so its softmax has one
-        mask[cross.rows, : given_mask.shape[1]] = given_mask
-        if replay.mask_sent is None or not np.array_equal(mask, replay.mask_sent):
-            replay.inputs[ENCODER_ATTENTION_MASK].update_inplace(mask)
-            replay.mask_sent = mask.copy()
-            self.counters.to_device += mask.nbytes
+        return StepOutput(logits, present, *tops, *drawn)
 
     def _fetch_rows(self, value: ort.OrtValue, place: np.ndarray) -> np.ndarray:
         """Rows `place` of an output [R,...] as numpy (all R rows cross to the host)."""
-        array = value.numpy()  # on CPU a view of the bound value, on a device a copy
-        self.counters.to_host += array.nbytes
-        return array[place]  # [n,...], a copy
+        # on CPU a view of the bound value, on a device a copy; [n,...] rows taken: a copy
+        return self._fetch(value)[place]
 
     # -- rows: bookkeeping on the indices, no run --------------------------------------------
 
@@ -589,19 +432,3 @@ class StaticCache(DeviceCache):
         if isinstance(cache, (StaticPast, StaticCross)):
             return cache
         return super().slice_time(cache, start, stop)
-
-
-def _columns(tensor: Any) -> int:
-    """The time axis of a [N,H,S,Dh] tensor (an OrtValue or an array)."""
-    return tensor.shape()[2] if isinstance(tensor, ort.OrtValue) else tensor.shape[2]
-
-
-def _rank_within(slot: np.ndarray) -> np.ndarray:
-    """Each entry's rank among the earlier entries of the same value (slots [4,7,4,2,2,2]:
-    [0,0,1,0,1,2]), int64 [n]."""
-    order = np.argsort(slot, kind="stable")
-    ordered = slot[order]
-    first = np.searchsorted(ordered, ordered, side="left")  # [n] where its value begins
-    rank = np.empty(len(slot), np.int64)
-    rank[order] = np.arange(len(slot)) - first
-    return rank

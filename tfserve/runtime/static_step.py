@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tfserve.runtime.ort_runs import model_bytes
 from tfserve.runtime.step_graph import CACHE_ROWS, load_decoder
 
 SELF_ATTENTION_MASK = "self_attention_mask"
@@ -217,7 +218,4 @@ def cross_write_graph(count: int, elem_type: int) -> bytes:
             helper.make_node("ScatterND", [f"buffer_{i}", CROSS_ROWS, f"padded_{i}"],
                              [f"out_{i}"]),
         ]
-    graph = helper.make_graph(nodes, "static_cross_write", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model.SerializeToString()
+    return model_bytes(helper.make_graph(nodes, "static_cross_write", inputs, outputs))
