@@ -284,6 +284,34 @@ def test_grpc_names_of_models_are_cut(server: ServerThread, quiet: Any) -> None:
     request.model_name = "m" * 1_000_000
     code, details = grpc_infer(server, request)
     assert code == grpc.StatusCode.NOT_FOUND and len(details) <= SHORT, details[:300]
+    with grpc.insecure_channel(server.target) as channel:
+        ready = channel.unary_unary("/inference.GRPCInferenceService/ModelReady",
+                                    request_serializer=pb2.ModelReadyRequest.SerializeToString,
+                                    response_deserializer=pb2.ModelReadyResponse.FromString)
+        with pytest.raises(grpc.RpcError) as failed:
+            ready(pb2.ModelReadyRequest(name="m" * 1_000_000), timeout=120)
+    assert failed.value.code() == grpc.StatusCode.NOT_FOUND
+    assert len(failed.value.details()) <= SHORT
+
+
+def test_grpc_stream_errors_are_cut_and_the_stream_goes_on(server: ServerThread,
+                                                           quiet: Any) -> None:
+    """ModelStreamInfer: a malformed request's error_message is as short as ModelInfer's
+    status, and the stream's next request is answered."""
+    with grpc.insecure_channel(server.target) as channel:
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=pb2.ModelInferRequest.SerializeToString,
+            response_deserializer=pb2.ModelStreamInferResponse.FromString)
+        bad, good = infer_request(shape=[1] * 20_000), infer_request()
+        bad.id, good.id = "bad", "good"
+        (failed,) = stream(iter([bad]), timeout=120)
+        assert failed.infer_response.id == "bad"
+        assert failed.error_message.startswith("text: the shape must be [N] or [N, 1], got ")
+        assert len(failed.error_message) <= SHORT
+        texts = [response for response in stream(iter([bad, good]), timeout=120)
+                 if not response.error_message]
+        assert texts and {response.infer_response.id for response in texts} == {"good"}
 
 
 # -- property sweeps ------------------------------------------------------------------------
@@ -293,7 +321,8 @@ _KEYS = ("inputs", "outputs", "parameters", "name", "datatype", "shape", "data",
          "target_prefix", "num_beams", "timeout", "binary_data_output", "max_new_tokens",
          "source_language", "translation", "BYTES", "x" * 50)
 _SCALARS = (st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70)
-            | st.floats(allow_nan=True) | st.text(max_size=60) | st.sampled_from(_KEYS))
+            | st.floats(allow_nan=True) | st.text(max_size=60) | st.sampled_from(_KEYS)
+            | st.sampled_from(("\ud800", "a\udfffb", "", "x" * 5000)))
 _JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
     st.sampled_from(_KEYS) | st.text(max_size=50), inner, max_size=4), max_leaves=25)
 
@@ -352,8 +381,8 @@ def test_request_reading_makes_any_error_invalid_argument() -> None:
        header=st.none()
        | st.text(st.characters(exclude_categories=("Cc", "Cs")), max_size=30)
        | st.from_regex(r"[0-9]{1,6000}", fullmatch=True))
-def test_sweep_rest_answers_4xx_or_a_translation(server: ServerThread, document: Any,
-                                                 header: str | None) -> None:
+def test_sweep_rest_answers_4xx_or_a_translation(server: ServerThread, quiet: Any,
+                                                 document: Any, header: str | None) -> None:
     data = json.dumps(document).encode()
     headers = [] if header is None else [(HEADER_LENGTH, header.encode())]
     status, _, answer = post(server, INFER, data, headers)
@@ -379,7 +408,7 @@ def _grpc_requests() -> st.SearchStrategy[Any]:
 @_SWEEP
 @given(request=_grpc_requests() | st.binary(max_size=200))
 def test_sweep_grpc_answers_invalid_argument_or_a_translation(server: ServerThread,
-                                                              request: Any) -> None:
+                                                              quiet: Any, request: Any) -> None:
     code, details = grpc_infer(server, request)
     assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), (code, details)
     assert len(details) <= MAX_ERROR_CHARS, details[:300]

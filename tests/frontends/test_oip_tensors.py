@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 from tfserve.frontends.oip_tensors import (
+    MAX_ERROR_CHARS,
     InferRequest,
     Tensor,
+    bounded,
     bytes_elements,
     check_streamable,
     chunk_outputs,
@@ -17,16 +19,20 @@ from tfserve.frontends.oip_tensors import (
     model_inputs,
     model_outputs,
     option_types,
+    parameter_field,
+    protocol_error,
     protocol_field_names,
     raw_contents,
     request_timeout,
+    shape_text,
+    shown_value,
     translate_input,
     translation_outputs,
     wants_binary,
 )
 from tfserve.scheduler import Encoded
 from tfserve.serving.results import TextHypothesis
-from tfserve.serving.status import InvalidArgument
+from tfserve.serving.status import InvalidArgument, ModelNotFound
 from tfserve.serving.stream import Chunk
 
 
@@ -86,6 +92,26 @@ def test_option_types_follow_the_native_options() -> None:
      "outputs[0].name is 'translations', not an output of this model; its outputs are "
      "translation, score"),
     (request(texts("a"), outputs=("score", "score")), "outputs[1].name: the output 'score'"),
+    # client values, however large, cut (issue 39 item 6)
+    (request(texts("a"), num_beams=list(range(100_000))),
+     "parameters.num_beams must be an integer, got a list of 100000 items"),
+    (request(texts("a"), num_beams=10 ** 30), "parameters.num_beams must be a 64-bit integer, "
+     "got 1000000000000000000000000000000"),
+    (request(texts("a"), temperature=10 ** 400),  # float() of it would overflow
+     "parameters.temperature must be a 64-bit integer, got an integer of 401 digits"),
+    (request(texts("a"), target_prefix="x\ud800"),
+     "parameters.target_prefix is not UTF-8 text (a lone surrogate at character 1)"),
+    (request(texts("a"), **{"x" * 50: 1}),
+     "parameters['xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'... (50 characters)] is not a "
+     "parameter of this model"),
+    (request(texts("a", shape=(1,) * 1000)),
+     "text: the shape must be [N] or [N, 1], got [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, ... "
+     "(1000 dimensions)"),
+    (request(Tensor("text", "BYTES", (10 ** 50,), [b"a"])),
+     f"text: the shape [{'1' + '0' * 38}... (1 dimension) holds an "
+     "integer of 51 digits elements, the data 1"),
+    (request(texts("a", name="n" * 1000)), "inputs[0].name is 'nnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnn"
+     "nnnnnnn'... (1000 characters), not an input"),
 ])
 def test_bad_translate_requests_name_the_field(bad: InferRequest, named: str) -> None:
     with pytest.raises(InvalidArgument) as raised:
@@ -129,6 +155,38 @@ def test_core_messages_are_renamed_to_the_protocol_fields() -> None:
     assert protocol_field_names("target_prefix[0] is 300 tokens") == (
         "target_prefix[0] is 300 tokens")
     assert protocol_field_names("model 'x' is not served here") == "model 'x' is not served here"
+
+
+def test_client_values_in_messages() -> None:
+    assert shown_value("ab") == "'ab'"
+    assert shown_value("a" * 41) == f"{'a' * 40!r}... (41 characters)"
+    assert [shown_value(value) for value in (None, True, 1.5, -7, 10 ** 39, 10 ** 40)] == [
+        "null", "True", "1.5", "-7", str(10 ** 39), "an integer of 41 digits"]
+    assert [shown_value(value) for value in ([1], [], {"a": "b" * 10_000}, b"x")] == [
+        "a list of 1 item", "a list of 0 items", "an object", "a bytes"]
+    assert shape_text((2, 1)) == "[2, 1]" and shape_text(()) == "[]"
+    assert parameter_field("num_beams") == "parameters.num_beams"
+    assert parameter_field("a.b") == "parameters['a.b']"
+    assert parameter_field("x" * 41) == f"parameters[{'x' * 40!r}... (41 characters)]"
+
+
+def test_protocol_errors_are_bounded_and_keep_their_type() -> None:
+    assert bounded("short") == "short" and bounded("a\ud800b") == "a\\ud800b"
+    cut = bounded("x" * 5000)
+    assert len(cut) == MAX_ERROR_CHARS and cut.endswith("... (5000 characters)")
+    try:
+        raise ModelNotFound("m" * 5000)
+    except ModelNotFound as exc:
+        remade = protocol_error(exc)
+    assert type(remade) is ModelNotFound and len(str(remade)) == MAX_ERROR_CHARS
+    assert remade.__traceback__ is not None  # the log of an INTERNAL error keeps its frames
+    renamed = protocol_error(InvalidArgument("texts[1] is empty"))
+    assert type(renamed) is InvalidArgument and str(renamed) == "text[1] is empty"
+    kept = InvalidArgument("parameters.x is fine")
+    assert protocol_error(kept) is kept
+    # an exception not made of its message alone stays as it is (its answer is bounded)
+    odd = UnicodeEncodeError("utf-8", "\ud800" * 3000, 0, 1, "surrogates not allowed")
+    assert protocol_error(odd) is odd
 
 
 def hypothesis(text: str, score: float) -> TextHypothesis:

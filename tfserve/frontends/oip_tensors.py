@@ -391,7 +391,8 @@ def shape_text(shape: Sequence[int]) -> str:
     text = str(list(shape)) if len(shape) <= 40 else ""
     if text and len(text) <= 40:
         return text
-    return f"{str(list(shape[:20]))[:40]}... ({len(shape)} dimensions)"
+    rank = f"{len(shape)} dimension{'' if len(shape) == 1 else 's'}"
+    return f"{str(list(shape[:20]))[:40]}... ({rank})"
 
 
 def bounded(message: str) -> str:
