@@ -9,6 +9,7 @@ decoder step is refused.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -47,6 +48,8 @@ from tfserve.runtime.step_graph import (
 )
 from tfserve.step import SampleDraws, StepOutput
 from tfserve.text.tokenizer import Tokenizer
+
+log = logging.getLogger("tfserve.runtime")
 
 
 class Runtime:
@@ -122,6 +125,12 @@ class Runtime:
         # The static cache's rows travel with its StaticPast: the batch never passes them
         self.reorders_in_step = (self.device_cache and not self.static_cache
                                  and loads_rewritten_graphs())
+        if self.device_cache and not self.static_cache and not self.reorders_in_step:
+            # the fallback (tests/runtime/test_device_step.py forces it): said once, at load
+            log.warning("the decoder graph runs as exported (ONNX Runtime %s; 1.21 and the "
+                        "onnx package rewrite it at load): a beam step's reorder and a "
+                        "whole-row sampling draw each take an ONNX Runtime run of their own",
+                        ort.__version__)
         # the inputs the load's rewrite adds: cache_rows (and the draws where it reorders in
         # the step)
         self.rewrite_inputs = ([CACHE_ROWS] if self.reorders_in_step or self.static_cache

@@ -10,11 +10,12 @@ A step is given, per decoder row, its token id and position (`input_ids`, `posit
 [B,1]), the masks, the opaque past and cross caches, and two optional requests:
 
 - `parents` [B]: row i continues row `parents[i]` of `past` (a beam step's reorder, left to
-  the next step). Only a backend that says it `takes_parents` is given them; each decides how
-  to honour them (a Gather inside the step's run, a numpy gather, index bookkeeping).
+  the next step). Only a backend that says it `reorders_in_step` is given them by the batch
+  (any backend may be: the runtime's placements all honour them, each its own way: a Gather
+  inside the step's run, a numpy gather, index bookkeeping).
 - `draws` (`SampleDraws`): tokens to draw from whole rows of the step's logits where the
   backend makes them, so that no row of vocabulary size crosses to the host. Only a backend
-  that says it `takes_draws` is given them.
+  that says it `draws_in_step` is given them.
 
 It returns a `StepOutput`: the top candidates (where the backend computes them), the drawn
 tokens (where draws were asked for), and the whole [B,T,V] logits only when asked for them
@@ -81,10 +82,10 @@ class Backend(Protocol):
     # (optional: a backend without top candidates is never asked)
     top_candidates: int
     # optional (False where absent): `step` takes `parents` and honours them for less than
-    # a `take_rows` before it (the search then leaves a beam step's reorder to the next step)
-    takes_parents: bool
+    # a `take_rows` before it (the batch then leaves a beam step's reorder to the next step)
+    reorders_in_step: bool
     # optional (False where absent): `step` takes `draws` and makes them where the logits are
-    takes_draws: bool
+    draws_in_step: bool
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[Any, Cache]:
         """input_ids/attention_mask int64 [B,S] -> (hidden states [B,S,D], cross K/V cache)."""
@@ -105,7 +106,7 @@ class Backend(Protocol):
         False: the search decides from the top candidates or the draws), the present cache,
         each position's top candidates where the backend has them, and the tokens of
         `draws` where given. parents [B]: row i continues row parents[i] of `past` (None:
-        its own row; `takes_parents`)."""
+        its own row; `reorders_in_step`)."""
 
     def empty_past(self, rows: int) -> Cache:
         """A self-attention cache of length 0 for `rows` rows."""
