@@ -2,7 +2,9 @@
 
 The search code sees numpy logits and an opaque KV cache; a backend (`tfserve.runtime`'s
 ONNX Runtime sessions, or `tfserve.model.eager`'s PyTorch model) runs the encoder and one decoder
-step and knows how to select, concatenate and trim cache rows. It imports numpy only.
+step and knows how to select, concatenate and trim cache rows. What a step takes and gives is
+the step contract of `tfserve.step` (Backend, StepOutput, SampleDraws), which both sides import
+and which `backend` re-exports. It imports numpy only.
 
 The searches advance rows that `tfserve.generation.batch.DecodeBatch` (continuous batching) steps
 for

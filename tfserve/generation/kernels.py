@@ -1,5 +1,6 @@
-"""numpy passes over a step's logits [R,V] (log-softmax, top-k, filtering) and the process's
-thread pool that splits the large ones by rows (numpy releases the GIL in them)."""
+"""numpy passes over a step's logits [R,V] (log-softmax, top-k, filtering), the large ones split
+by rows over the process's thread pool (`tfserve.step.threads.numpy_pool`, which the host
+cache's copies share; numpy releases the GIL in them)."""
 
 from __future__ import annotations
 
