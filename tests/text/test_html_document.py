@@ -212,12 +212,18 @@ def test_well_formed_input_gives_well_formed_output(words: list[str],
     opens: dict[int, list[str]] = {}
     closes: dict[int, list[str]] = {}
     taken: list[tuple[int, int]] = []
+    marks_names: dict[tuple[int, int], str] = {}
     for first, length, name in marks:
         last = min(first + length, len(words)) - 1
-        if first > last or any(not (last < a or first > b or (a <= first and last <= b)
-                                    or (first <= a and b <= last)) for a, b in taken):
+        if first > last or (first, last) in marks_names or any(
+                not (last < a or first > b or (a <= first and last <= b)
+                     or (first <= a and b <= last)) for a, b in taken):
             continue
+        marks_names[(first, last)] = name
         taken.append((first, last))
+    # at one word, outer elements (longer spans) open first and close last
+    for first, last in sorted(taken, key=lambda span: (span[0], -span[1])):
+        name = marks_names[(first, last)]
         opens.setdefault(first, []).append(name)
         closes.setdefault(last, []).insert(0, name)
     body = " ".join("".join(f"<{n}>" for n in opens.get(i, [])) + word

@@ -29,7 +29,8 @@ def test_gold_languages(language: str, text: str) -> None:
 
 
 @pytest.mark.parametrize(("text", "reason"), [
-    ("", "no letters"), ("   ", "no letters"), ("12345", "no letters"), ("3.14 + 2 = 5.14!", "no letters"),
+    ("", "no letters"), ("   ", "no letters"), ("12345", "no letters"),
+    ("3.14 + 2 = 5.14!", "no letters"),
     ("ok", "only 2 letters"), ("是", "only 1 letter"), ("A1 B2", "only 2 letters"),
     ("xxxxxxxx", "with confidence"),
 ])

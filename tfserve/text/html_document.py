@@ -279,7 +279,9 @@ class _Item:
     start: int
     end: int
     name: str = ""
-    text: str = ""  # a character's decoded value; an opaque element's visible text
+    text: str = ""  # a text run's decoded text; an opaque element's visible text
+    starts: list[int] = field(default_factory=list)  # a text run's characters' sources
+    ends: list[int] = field(default_factory=list)
     raw: str = ""  # markup's source
     length: int = 0  # an opaque element's length in the block's (collapsed) text
 
@@ -299,17 +301,18 @@ def html_rows(document: str, language: str | None, split_sentences: bool,
         token = tokens[index]
         name = token.name
         if token.kind == "text":
-            block += _characters(document, token.start, token.end)
+            decoded, starts, ends = _characters(document, token.start, token.end)
+            block.append(_Item("text", token.start, token.end, text=decoded, starts=starts,
+                               ends=ends))
         elif token.kind == "start" and (name in OPAQUE_BLOCKS or name in OPAQUE_INLINE
                                         or token.untranslatable) and name not in VOID_ELEMENTS:
             last = _matching_end(tokens, index)
             inline = name not in OPAQUE_BLOCKS and name not in BLOCK_ELEMENTS
             if inline:
-                visible = "".join(
-                    item.text for t in tokens[index + 1:last]
-                    if t.kind == "text" for item in _characters(document, t.start, t.end))
-                block.append(_Item("opaque", token.start, tokens[last].end, name, visible,
-                                   document[token.start:tokens[last].end]))
+                visible = "".join(_characters(document, t.start, t.end)[0]
+                                  for t in tokens[index + 1:last] if t.kind == "text")
+                block.append(_Item("opaque", token.start, tokens[last].end, name, text=visible,
+                                   raw=document[token.start:tokens[last].end]))
             else:
                 rows += _block_rows(block, language, split_sentences, pieces)
                 block = []
@@ -350,19 +353,28 @@ def _matching_end(tokens: list[_Token], index: int) -> int:
     return len(tokens) - 1
 
 
-def _characters(document: str, start: int, end: int) -> list[_Item]:
-    """The decoded characters of the text document[start:end], each with its source span
-    (an entity's characters share the entity's span)."""
-    items = []
+def _characters(document: str, start: int, end: int) -> tuple[str, list[int], list[int]]:
+    """The decoded text of document[start:end], and each decoded character's source start
+    and end (an entity's characters share the entity's span)."""
+    if "&" not in document[start:end]:
+        return document[start:end], list(range(start, end)), list(range(start + 1, end + 1))
+    parts: list[str] = []
+    starts: list[int] = []
+    ends: list[int] = []
     position = start
     for match in _ENTITY.finditer(document, start, end):
-        items += [_Item("char", at, at + 1, text=document[at])
-                  for at in range(position, match.start())]
+        parts.append(document[position:match.start()])
+        starts += range(position, match.start())
+        ends += range(position + 1, match.start() + 1)
         decoded = html.unescape(match.group())
-        items += [_Item("char", match.start(), match.end(), text=c) for c in decoded]
+        parts.append(decoded)
+        starts += [match.start()] * len(decoded)
+        ends += [match.end()] * len(decoded)
         position = match.end()
-    items += [_Item("char", at, at + 1, text=document[at]) for at in range(position, end)]
-    return items
+    parts.append(document[position:end])
+    starts += range(position, end)
+    ends += range(position + 1, end + 1)
+    return "".join(parts), starts, ends
 
 
 def _block_rows(block: list[_Item], language: str | None, split_sentences: bool,
@@ -376,8 +388,9 @@ def _block_rows(block: list[_Item], language: str | None, split_sentences: bool,
     marks: list[tuple[int, _Item]] = []
     opaque: list[tuple[int, int]] = []
     for item in block:
-        if item.kind == "char":
-            _append(text, sources, item.text, item.start, item.end)
+        if item.kind == "text":
+            for c, start, end in zip(item.text, item.starts, item.ends):
+                _append(text, sources, c, start, end)
         elif item.kind == "opaque":
             begin = len(text)
             for c in item.text:
