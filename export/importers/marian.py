@@ -55,6 +55,7 @@ from export.importers.hf_files import (  # noqa: F401  (the file helpers, import
     weight_files,
 )
 from export.sources import Source, SourceError
+from tfserve.artifacts.generation_defaults import from_hf_files
 from tfserve.artifacts.model_config import ConfigError, ModelConfig
 from tfserve.model import Seq2SeqTransformer, sinusoidal_table
 from tfserve.text.tokenizer import Tokenizer, TokenizerError, TokenizerSpec
@@ -105,10 +106,6 @@ REFUSED_FLAGS = (
     ("add_bias_logits", True, "an extra logits bias"),
     ("static_position_embeddings", False, "learned position embeddings"),
 )
-
-GENERATION_KEYS = ("bad_words_ids", "forced_eos_token_id", "num_beams", "max_length",
-                   "max_new_tokens", "length_penalty", "early_stopping", "no_repeat_ngram_size",
-                   "repetition_penalty")
 
 LANGUAGE_CODE = re.compile(r"^>>.+<<$")
 
@@ -232,16 +229,17 @@ def generation_defaults(directory: Path, config: dict[str, Any]) -> dict[str, An
     opus-mt checkpoints ban the pad token (bad_words_ids [[pad]]; tfserve.generation always
     does), force eos as the last token at max_length (forced_eos_token_id: DecodingOptions'
     forced_eos) and ask for num_beams 4..6. They are recorded in the manifest so that every
-    front end defaults to them (tfserve.artifacts.generation_defaults).
+    front end defaults to them (tfserve.artifacts.generation_defaults). The fields read are
+    hf_fields(): the decoding options tfserve.option_table marks `checkpoint`, and the fields
+    with rules of their own.
     """
-    merged = {key: config[key] for key in GENERATION_KEYS if key in config}
+    data: dict[str, Any] = {}
     path = directory / GENERATION_CONFIG_FILE
     if path.is_file():
         data = read_json(path, "generation config")
         if not isinstance(data, dict):
             raise SourceError(f"{path} must hold a JSON object")
-        merged.update({key: data[key] for key in GENERATION_KEYS if key in data})
-    return merged
+    return from_hf_files(config, data)
 
 
 # -- tokenizer ------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ from export.importers.hf_files import (
     weight_files,
 )
 from export.sources import Source, SourceError
+from tfserve.artifacts.generation_defaults import from_hf_files
 from tfserve.artifacts.model_config import ConfigError, ModelConfig
 from tfserve.model import Seq2SeqTransformer
 from tfserve.model.transformer import KEEP_IN_FP32
@@ -90,9 +91,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 # HF activation names (ACT2FN) -> ModelConfig.activation; T5's "gated-gelu" is gelu_new
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}
-
-GENERATION_KEYS = ("decoder_start_token_id", "num_beams", "max_length", "max_new_tokens",
-                   "length_penalty", "early_stopping", "no_repeat_ngram_size")
 
 # MADLAD-400's target-language tokens: "<2fr> text" translates into French
 LANGUAGE_TOKEN = re.compile(r"^<2[^>]+>$")
@@ -227,14 +225,16 @@ def encoder_only_checkpoint(config: dict[str, Any]) -> str:
 
 
 def generation_defaults(directory: Path) -> dict[str, Any]:
-    """The search settings generation_config.json asks for, recorded in the manifest."""
+    """The search settings generation_config.json asks for, recorded in the manifest: its
+    fields of hf_fields() (the decoding options tfserve.option_table marks `checkpoint`, and
+    the fields with rules of their own)."""
     path = directory / GENERATION_CONFIG_FILE
     if not path.is_file():
         return {}
     data = read_json(path, "generation config")
     if not isinstance(data, dict):
         raise SourceError(f"{path} must hold a JSON object")
-    return {key: data[key] for key in GENERATION_KEYS if key in data}
+    return from_hf_files({}, data)
 
 
 # -- tokenizer ------------------------------------------------------------------------------
