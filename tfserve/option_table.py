@@ -12,7 +12,8 @@ Everything else is derived from this table:
 - the Python client's keyword arguments (`tfserve.client`) and the CLI's decoding flags
   (`tfserve.cli`);
 - a checkpoint's generation defaults (`tfserve.artifacts.generation_defaults`): the
-  generation_config.json fields copied as they are, and the beam-only ones.
+  generation_config.json fields copied as they are, and the beam-only ones; the importers
+  (`export/importers/`) read those fields from a checkpoint through it.
 
 Adding an option: declare it here, add its field to the proto (and regenerate the stubs),
 and make the searches read it. Imports nothing of tfserve, so every layer, down to the
