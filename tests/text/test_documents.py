@@ -16,6 +16,7 @@ from tfserve.text.documents import (
     DocumentLimits,
     DocumentPlan,
     DocumentSegment,
+    document_text,
     plan_document,
 )
 
@@ -177,3 +178,12 @@ def test_layout_round_trips_for_any_text(pieces: list[str], language: str | None
         previous = end
     if max_tokens:
         assert all(_words(row) <= max_tokens for row in plan.rows)
+
+
+def test_document_text_is_what_language_detection_reads() -> None:
+    assert document_text("Hello. World.\n") == "Hello. World.\n"
+    page = ("<html><head><style>p {}</style><script>var x = 1;</script></head><body>"
+            "<p>Bonjour <b>le</b> monde &amp; tous.</p><pre>code</pre><p>Salut.</p></body>")
+    assert document_text(page, "html") == "Bonjour le monde & tous.\nSalut."
+    with pytest.raises(ValueError, match="format"):
+        document_text("x", "pdf")

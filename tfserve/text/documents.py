@@ -163,6 +163,19 @@ def plan_document(text: str, *, format: str = "text", language: str | None = Non
     return DocumentPlan(text, format, rows, spans, markup)
 
 
+def document_text(text: str, format: str = "text") -> str:
+    """A document's translatable text, to detect its language on before planning it
+    (detect_language(document_text(text, format))): a text document as it is; an HTML one's
+    blocks of text, decoded, one a line, without markup, scripts, styles or untranslated
+    elements."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+    if format == "text":
+        return text
+    rows = html_rows(text, None, False, lambda source, start, end: [(start, end)])
+    return "\n".join(row.text for row in rows)
+
+
 def _too_many(limits: DocumentLimits) -> ValueError:
     return ValueError(f"text has more than {limits.max_sentences} sentences, the limit "
                       "(max_sentences); send it in parts")
