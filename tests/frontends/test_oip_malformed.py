@@ -156,6 +156,9 @@ LONG_NAME = "x" * 60
     ([(HEADER_LENGTH, b"1" * 5000)], GOOD, f"the {HEADER_LENGTH} header must be"),
     ([(HEADER_LENGTH, b"-1")], GOOD, f"the {HEADER_LENGTH} header must be"),
     ([(HEADER_LENGTH, b"1"), (HEADER_LENGTH, b"1")], GOOD, f"the {HEADER_LENGTH} header"),
+    # the native API's call headers, on the protocol's route
+    ([("x-request-timeout-ms", "²".encode())], GOOD, "x-request-timeout-ms must be one "),
+    ([("x-request-id", b"i" * 5000)], GOOD, "request_id is 5000 characters"),
     # a lone surrogate in a string parameter, as in an input tensor
     ([], body(parameters={"target_prefix": "\ud800"}), "parameters.target_prefix is not"),
     ([], body(parameters={"source_language": "a\udfffb"}), "parameters.source_language is"),
@@ -199,6 +202,14 @@ def test_each_malformed_request_is_a_short_400(server: ServerThread, quiet: Any,
     message = protocol_error(*post_json(server, document, headers=headers))
     assert message.startswith(starts), message[:300]
     assert len(message) <= SHORT, message[:300]
+
+
+@pytest.mark.xfail(strict=True, reason="tfserve.frontends.http_api.request_timeout: int() of "
+                   "a header past Python's digit limit raises ValueError, a 500 on every HTTP "
+                   "route (the native API's module, not the protocol's: reported)")
+def test_a_timeout_header_past_the_digit_limit(server: ServerThread) -> None:
+    status, answer = post_json(server, GOOD, headers=[("x-request-timeout-ms", b"9" * 5000)])
+    assert status == 400, answer[:300]
 
 
 @pytest.mark.parametrize("data", [
