@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -247,20 +247,47 @@ def run_job(records: Iterable[Record], writer: Writer, sink: IO[bytes], engine: 
     return Summary(counts, progress.summary(counts))
 
 
-def _output(item: _Item, writer: Writer, options: JobOptions, counts: Counts) -> bytes:
-    """The output line of one record, its bad-line policy applied and counted."""
+def _outcome(item: _Item, options: JobOptions, counts: Counts) -> tuple[str | None, str | None]:
+    """(translation, None), or (None, why) for a skipped record: its bad-line policy applied
+    and counted."""
     record = item.record
     error = item.error or next((row.error for row in item.rows if row.error), None)
     if error is not None:
         if options.bad_lines == "fail":
             raise BadLineError(record.number, error)
         counts.skipped += 1
-        return writer.line(record, None, f"line {record.number}: {error}")
+        return None, f"line {record.number}: {error}"
     if item.truncated or any(row.truncated for row in item.rows):
         counts.truncated += 1
     translations = [row.translation or "" for row in item.rows]
     if item.assemble is not None:
-        text = item.assemble(translations)
-    else:
-        text = translations[0] if translations else ""
-    return writer.line(record, text)
+        return item.assemble(translations), None
+    return (translations[0] if translations else ""), None
+
+
+def _output(item: _Item, writer: Writer, options: JobOptions, counts: Counts) -> bytes:
+    """The output line of one record."""
+    translation, error = _outcome(item, options, counts)
+    return writer.line(item.record, translation, error)
+
+
+def translate_texts(engine: Engine, texts: Sequence[str | None], options: JobOptions,
+                    first_number: int = 1) -> tuple[list[tuple[str | None, str | None, int]],
+                                                    Counts]:
+    """One column of texts translated in this thread (Ray's map_batches: the batch is the
+    buffer): (translation, error, target tokens) per text, and the counts."""
+    loop = _Loop(engine, options)
+    items = [loop.prepare(Record(first_number + i, text, first_number + i,
+                                 error=None if text is not None else "no text"))
+             for i, text in enumerate(texts)]
+    rows = [row for item in items for row in item.rows if row.translation is None]
+    counts = Counts()
+    for batch in token_batches([row.length for row in rows], loop.max_rows,
+                               options.max_batch_tokens):
+        counts.tokens += loop.run_batch([rows[i] for i in batch])
+    results = []
+    for item in items:
+        translation, error = _outcome(item, options, counts)
+        results.append((translation, error, sum(row.tokens for row in item.rows)))
+    counts.lines, counts.failures = len(items), loop.split_failures
+    return results, counts

@@ -1,0 +1,205 @@
+"""Bulk translation on a Ray cluster (the `ray` extra: `pip install 'tfserve[ray]'`).
+
+`TranslateBatch` is the callable class for Ray Data's `map_batches`: each actor loads the
+artifacts once, with ONNX Runtime's threads set to the CPUs Ray gave the actor, and translates
+one column of each batch it is handed (length-sorted, token-budget batches inside it, as the
+one-machine job does):
+
+    import ray
+    from tfserve.bulk.ray_job import TranslateBatch
+
+    ds = ray.data.read_text("s3://bucket/corpus.txt", drop_empty_lines=False)
+    ds = ds.map_batches(TranslateBatch, fn_constructor_kwargs={"model": "/models/opus-mt"},
+                        batch_size=1024, concurrency=8, num_cpus=4)   # num_gpus=1: a GPU each
+    ds.write_parquet("s3://bucket/translated/")
+
+`run_ray_job` is `tfserve translate --ray ADDRESS --input ... --output ...`: Ray Data's readers
+(local paths and whatever filesystems Ray's pyarrow reads: s3://, gs://, ...), the class above
+on an actor pool, and the output either streamed to one local file in input order (through
+this process, so it equals the one-machine job's output) or written by Ray's writers into a
+directory or object-store prefix. Lost actors and nodes are Ray's to recover: the actors are
+restarted (max_restarts) and their tasks retried (max_task_retries), and lost blocks are
+rebuilt from their lineage, so every line comes out once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import IO, Any
+
+import numpy as np
+
+from tfserve.bulk.engines import LocalEngine
+from tfserve.bulk.job import JobOptions, Summary, translate_texts
+from tfserve.bulk.progress import Counts
+from tfserve.bulk.records import input_format, output_format
+
+TOKENS_COLUMN = "__tfserve_tokens"  # per-row target tokens, for the summary; never written
+ERROR_COLUMN = "error"
+
+
+def _assigned_cpus() -> int:
+    """The CPUs Ray reserved for this actor (its ONNX Runtime threads), 0 outside Ray."""
+    try:
+        import ray
+
+        return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 0)))
+    except Exception:  # noqa: BLE001 - not in a Ray worker: ONNX Runtime's own default
+        return 0
+
+
+class TranslateBatch:
+    """A Ray Data map_batches class: `column` translated into `output_column`, the other
+    columns passed through; a skipped line (bad_lines "skip") gets None and its reason in an
+    "error" column."""
+
+    def __init__(self, model: str, column: str = "text", output_column: str = "translation",
+                 device: str = "cpu", threads: int = 0, bad_lines: str = "fail",
+                 max_batch_size: int = 64, max_batch_tokens: int = 6144,
+                 decoding: dict[str, Any] | None = None, count_tokens: bool = False) -> None:
+        from tfserve.translator import Translator
+
+        threads = threads or _assigned_cpus()
+        translator = Translator(model, device=device, intra_op_threads=threads,
+                                max_batch_size=max_batch_size)
+        self.engine = LocalEngine(translator, "", **(decoding or {}))
+        self.options = JobOptions(max_batch_size=max_batch_size,
+                                  max_batch_tokens=max_batch_tokens, bad_lines=bad_lines)
+        self.column, self.output_column, self.count_tokens = column, output_column, count_tokens
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        texts = [None if text is None else str(text) for text in batch[self.column]]
+        results, _ = translate_texts(self.engine, texts, self.options)
+        out = dict(batch)
+        out[self.output_column] = np.array([t for t, _, _ in results], dtype=object)
+        errors = [e for _, e, _ in results]
+        if any(error is not None for error in errors):
+            out[ERROR_COLUMN] = np.array(errors, dtype=object)
+        if self.count_tokens:
+            out[TOKENS_COLUMN] = np.array([n for _, _, n in results], dtype=np.int64)
+        return out
+
+
+def _is_uri(path: str) -> bool:
+    return "://" in path
+
+
+# Read tasks reserve no CPU: reading is light next to translating, and actors that reserve
+# every CPU of the cluster (the usual sizing) would otherwise leave none to read with, and the
+# job would wait forever. Ray Data's backpressure still bounds how far reads run ahead.
+READ_ARGS: dict[str, Any] = {"ray_remote_args": {"num_cpus": 0}}
+
+
+def read_dataset(path: str, fmt: str) -> Any:
+    """The corpus as a Ray Dataset (Ray Data's readers; lines land in a "text" column)."""
+    import ray.data
+
+    if fmt == "lines":
+        # blank lines stay: the output keeps one line per input line
+        return ray.data.read_text(path, drop_empty_lines=False, **READ_ARGS)
+    if fmt == "jsonl":
+        return ray.data.read_json(path, lines=True, **READ_ARGS)
+    if fmt == "csv":
+        return ray.data.read_csv(path, **READ_ARGS)
+    return ray.data.read_parquet(path, **READ_ARGS)
+
+
+def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
+                stderr: IO[str]) -> Summary:
+    """`tfserve translate --ray ADDRESS --input ... --output ...` (module docstring)."""
+    try:
+        import ray
+        import ray.data
+    except ImportError as exc:
+        raise ValueError("--ray needs Ray Data: pip install 'tfserve[ray]'") from exc
+    if not args.input or args.input == "-" or not args.output or args.output == "-":
+        raise ValueError("--ray reads --input and writes --output: files, directories or "
+                         "object-store URIs, not standard input or output")
+    if args.server:
+        raise ValueError("--ray runs the model on the cluster's actors: drop --server")
+    from pathlib import Path
+
+    model = args.model
+    if model is None:
+        from tfserve.demo import default_artifacts
+
+        model = default_artifacts()
+    started = time.monotonic()
+    if not ray.is_initialized():
+        ray.init(address=None if args.ray == "local" else args.ray,
+                 include_dashboard=False, log_to_driver=False)
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True  # output rows in input order
+    context.enable_progress_bars = args.progress != "none"
+    fmt = input_format(args.input, args.input_format)
+    field = "text" if fmt == "lines" else args.text_field
+    dataset = read_dataset(args.input, fmt)
+    to_directory = _is_uri(args.output) or args.output.endswith("/")
+    translated = dataset.map_batches(
+        TranslateBatch, batch_size=args.read_buffer, batch_format="numpy",
+        fn_constructor_kwargs={
+            "model": str(Path(model).resolve()) if not _is_uri(str(model)) else str(model),
+            "column": field, "output_column": args.output_field, "device": args.device,
+            "threads": args.threads, "bad_lines": args.bad_lines,
+            "max_batch_size": args.max_batch_size, "max_batch_tokens": args.max_batch_tokens,
+            "decoding": decoding, "count_tokens": True},
+        concurrency=args.ray_actors, num_cpus=args.ray_cpus, num_gpus=args.ray_gpus,
+        # a lost actor is restarted and its tasks retried: a killed node costs time, not lines
+        max_restarts=-1, max_task_retries=-1)
+    counts = Counts()
+    out_format = output_format(args.output, args.output_format)
+    if to_directory:
+        counts.tokens = int(translated.sum(TOKENS_COLUMN) or 0)  # executes the pipeline once
+        translated = translated.drop_columns([TOKENS_COLUMN])
+        counts.lines = translated.count()
+        if out_format == "jsonl":
+            translated.write_json(args.output)
+        else:
+            translated.write_parquet(args.output)
+    else:
+        write_ordered(translated, args.output, out_format, field, args.output_field,
+                      args.skip_marker, counts)
+    seconds = time.monotonic() - started
+    line = (f"translate --ray: done: {counts.lines} lines, {counts.tokens} tokens, "
+            f"{seconds:.1f} s, {counts.failures} failures, {counts.skipped} skipped, "
+            f"{counts.truncated} truncated")
+    if args.progress != "none":
+        print(line, file=stderr, flush=True)
+    return Summary(counts, line)
+
+
+def write_ordered(dataset: Any, output: str, fmt: str, field: str, output_field: str,
+                  skip_marker: str, counts: Counts, on_batch: Any = None) -> None:
+    """Stream the translated rows to one local file, in input order (preserve_order), one
+    line per input line: what the one-machine job writes."""
+    with open(output, "wb") as stream:
+        for batch in dataset.iter_batches(batch_format="numpy"):
+            translations = batch[output_field]
+            tokens = batch.get(TOKENS_COLUMN)
+            errors = batch.get(ERROR_COLUMN)
+            lines = []
+            for index, translation in enumerate(translations):
+                error = None if errors is None else errors[index]
+                if translation is None:
+                    counts.skipped += 1
+                if fmt == "lines":
+                    text = skip_marker if translation is None else str(translation)
+                    lines.append(text.replace("\n", " ") + "\n")
+                else:
+                    record = {key: _plain(value[index]) for key, value in batch.items()
+                              if key not in (TOKENS_COLUMN, ERROR_COLUMN)}
+                    if error is not None:
+                        record[ERROR_COLUMN] = error
+                    lines.append(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+            stream.write("".join(lines).encode("utf-8"))
+            counts.lines += len(translations)
+            counts.tokens += int(tokens.sum()) if tokens is not None else 0
+            if on_batch is not None:
+                on_batch(counts)
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the JSON value it holds."""
+    return value.item() if isinstance(value, np.generic) else value
