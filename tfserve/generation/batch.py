@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from tfserve.generation.backend import Backend
+from tfserve.generation.backend import Backend, SampleDraws, StepOutput
 from tfserve.generation.batch_decisions import (
     bans,
     bans_source,
@@ -96,29 +96,9 @@ class DecodeBatch(BatchRows):
         from_top = plan is not None
         groups, drawing = plan if plan is not None else (None, [])
         draws = joined_draws(drawing, banned) if drawing else None
-        try:
-            # the step contract: the reorder left pending and the draws go with the step,
-            # and the backend honours them its own way
-            out = self.backend.step(
-                self.last_tokens[:, None],  # [R,1]
-                self.position_ids[:, None],  # [R,1]
-                self_attention_mask,
-                encoder_attention_mask,
-                self.past,
-                cross,
-                **({"need_logits": False} if from_top else {}),
-                **({"parents": self.pending_parents} if self.pending_parents is not None
-                   else {}),
-                **({"draws": draws} if draws is not None else {}),
-            )
-        except Exception as exc:  # nothing has changed yet: the batch can be stepped again
-            raise BatchRunError(f"decoder run failed: {exc}") from exc
-        if from_top and (out.top_ids is None or out.top_log_probs is None):
-            raise BatchRunError("the backend declares top candidates, but its step gave none")
+        out = self._run(cross, encoder_attention_mask, self_attention_mask, from_top, draws)
         # [S] each: the drawing members' tokens and log-probabilities, member by member
         drawn = None if draws is None else (out.drawn_ids, out.drawn_log_probs)
-        if drawn is not None and (drawn[0] is None or drawn[1] is None):
-            raise BatchRunError("the backend takes draws in its step, but its step gave none")
         self.steps += 1
         self.past, self.pending_parents = out.present, None
         self.self_attention_mask = self_attention_mask
@@ -208,6 +188,33 @@ class DecodeBatch(BatchRows):
             self._reorder(index, self.slots, None)  # the encoder side (per member) unchanged
         self.last_tokens = last_tokens
         return finished
+
+    def _run(self, cross: Any, encoder_attention_mask: np.ndarray,
+             self_attention_mask: np.ndarray, from_top: bool, draws: SampleDraws | None
+             ) -> StepOutput:
+        """The step's one call of the backend, through the step contract: the reorder left
+        pending and the draws go with it, and the backend honours them its own way. A
+        failure belongs to the whole batch (BatchRunError) and leaves it as it was."""
+        try:
+            out = self.backend.step(
+                self.last_tokens[:, None],  # [R,1]
+                self.position_ids[:, None],  # [R,1]
+                self_attention_mask,
+                encoder_attention_mask,
+                self.past,
+                cross,
+                **({"need_logits": False} if from_top else {}),
+                **({"parents": self.pending_parents} if self.pending_parents is not None
+                   else {}),
+                **({"draws": draws} if draws is not None else {}),
+            )
+        except Exception as exc:  # nothing has changed yet: the batch can be stepped again
+            raise BatchRunError(f"decoder run failed: {exc}") from exc
+        if from_top and (out.top_ids is None or out.top_log_probs is None):
+            raise BatchRunError("the backend declares top candidates, but its step gave none")
+        if draws is not None and (out.drawn_ids is None or out.drawn_log_probs is None):
+            raise BatchRunError("the backend takes draws in its step, but its step gave none")
+        return out
 
     def run_alone(self, tag: Any) -> BaseException | None:
         """Run the decoder for one member's rows alone, on copies (the batch is unchanged);

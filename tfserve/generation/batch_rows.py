@@ -139,8 +139,8 @@ class BatchRows:
     def join(self, groups: Sequence[Joining]) -> None:
         """Join the searches of several encoder runs at once: the running cache, the
         newcomers' empty history and every group's cross K/V go through one
-        `Backend.concat_rows` per cache, not one per group (on the host that is one copy per
-        tensor; the device path still concatenates pairwise inside it)."""
+        `Backend.concat_rows` per cache, not one per group (one copy per tensor, where the
+        backend can)."""
         groups = [group for group in groups if len(group.searches)]
         if not groups:
             return

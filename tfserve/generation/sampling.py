@@ -133,8 +133,8 @@ class SamplingSearch(Search):
         """One token per sample from `logits` [rows,C] (a whole row of the vocabulary, or
         the candidates `ids` [rows,C] in increasing id order; a log-softmax shift changes
         nothing here) after temperature, top-k and top-p; log_prob(parent, column) is the
-        score the drawn token adds. tfserve.runtime.sampling_graph makes the same draw on
-        a device."""
+        score the drawn token adds. A backend that takes draws in its step makes this same
+        draw where the logits are (`device_draw`, `SampleDraws`)."""
         parents = self._fan_out()
         scaled = logits[parents] / self.options.temperature  # [S,C]; banned stay -inf
         probs = np.exp(log_softmax(filter_logits(scaled, self.options.top_k, self.options.top_p)))
