@@ -5,6 +5,7 @@
     tfserve translate --server localhost:50051 "twelve"            # a running server
     tfserve translate --server localhost:50051 --model-name en-fr "twelve"   # one of its models
     tfserve translate --model artifacts/nllb --source-lang eng_Latn --target-lang fra_Latn "Hi."
+    tfserve translate --document page.html --format html --source-lang auto --target-lang fra_Latn
     tfserve models --server localhost:50051                         # the models it serves
     tfserve encode --pooling mean "twelve"
     tfserve serve --model DIR --port 50051                          # see serve --help
@@ -120,6 +121,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                     help="native checkpoint for --eager (default: the bundled demo)")
     tr.add_argument("--scores", action="store_true", help="print 'score<TAB>text'")
     tr.add_argument("--json", action="store_true", help="print one JSON object per text")
+    # a document (docs/documents.md): one file, split into sentences, its layout kept
+    tr.add_argument("--document", type=Path, default=None, metavar="FILE",
+                    help="translate FILE as one document ('-': standard input): split into "
+                    "sentences, each translated, written to standard output in FILE's layout")
+    tr.add_argument("--format", default="text", metavar="FORMAT",
+                    help="what --document holds: text (default) or html (markup kept, its "
+                    "text translated)")
     from tfserve.bulk.command import add_arguments as add_corpus_arguments
 
     add_corpus_arguments(tr)  # --input/--output/--ray: a corpus job (docs/bulk.md)
@@ -209,6 +217,9 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
         run_corpus(args, decoding_kwargs(args), program_name())
         return
+    if args.document is not None:
+        translate_document_file(args)
+        return
     texts = read_texts(args)
     kwargs = decoding_kwargs(args)
     if args.server:
@@ -235,6 +246,35 @@ def cmd_translate(args: argparse.Namespace) -> None:
         translator = Translator(args.model, device=args.device, intra_op_threads=args.threads)
     print_translations(args, texts, run_non_blank(texts, lambda batch: (
         translator.translate_hypotheses(batch, truncate=args.truncate, **kwargs))))
+
+
+def translate_document_file(args: argparse.Namespace) -> None:
+    """--document FILE: the file translated as one document (Translator.translate_document;
+    a server splits every text it is sent, so --server sends the file as one text), written
+    to standard output in its layout."""
+    if args.texts:
+        raise ValueError("--document translates one file: give no texts beside it")
+    if args.server and args.format != "text":
+        raise ValueError("--format html with --server: the Python client sends text "
+                         "documents only; translate HTML with --model")
+    text = sys.stdin.read() if str(args.document) == "-" else \
+        args.document.read_text(encoding="utf-8")
+    kwargs = decoding_kwargs(args)
+    if kwargs.pop("target_prefix", None) is not None:
+        raise ValueError("--prefix starts a translation: not for --document")
+    if args.server:
+        from tfserve.client import Client
+
+        with Client(args.server) as client:
+            translated = client.translate([text], truncate=args.truncate,
+                                          model=args.model_name, **kwargs)[0]
+    else:
+        from tfserve.translator import Translator
+
+        translator = Translator(args.model, device=args.device, intra_op_threads=args.threads)
+        translated = translator.translate_document(text, format=args.format,
+                                                   truncate=args.truncate, **kwargs).text
+    sys.stdout.write(translated)
 
 
 def cmd_encode(args: argparse.Namespace) -> None:

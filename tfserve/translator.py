@@ -8,6 +8,10 @@
     nllb.translate(["Hello world."], source_language="eng_Latn", target_language="fra_Latn")
     nllb.translate(["Hello.", "Hello."], target_language=["fra_Latn", "deu_Latn"])
 
+    document = nllb.translate_document(open("page.html").read(), format="html",
+                                       source_language="auto", target_language="fra_Latn")
+    document.text, document.segments, document.detected_language, document.confidence
+
 Options a call leaves unset take the checkpoint's own generation defaults (its
 generation_config.json, recorded in the manifest: opus-mt asks for beam search, NLLB for a
 max_length); `Translator.generation_defaults` holds them. Languages, target prefixes and the
@@ -32,6 +36,12 @@ from tfserve.artifacts.generation_defaults import GenerationDefaults
 from tfserve.generation import Backend, DecodingOptions, Hypothesis
 from tfserve.generation.batch import generate
 from tfserve.scheduler.scheduler_config import SchedulerConfig
+from tfserve.serving.documents import (
+    DocumentRequest,
+    TranslatedSegment,
+    plan_documents,
+)
+from tfserve.text.documents import DocumentLimits
 from tfserve.text.inputs import (
     DEFAULT_MAX_TEXTS,
     ENCODER_CALL_TOKENS,
@@ -65,6 +75,7 @@ __all__ = [
     "ENCODER_CALL_TOKENS",
     "MAX_CHARS_PER_TOKEN",
     "POOLINGS",
+    "DocumentTranslation",
     "Encoding",
     "Translation",
     "Translator",
@@ -81,6 +92,22 @@ class Translation:
     text: str
     token_ids: list[int]
     score: float
+
+
+@dataclass
+class DocumentTranslation:
+    """A translated document (Translator.translate_document): its text in the source's
+    layout, each segment's source and target spans ([start, end) code points of the source
+    and of `text`; with several hypotheses, each segment's own alternatives), the language
+    detected (source_language "auto": the model's code and the detector's confidence), and
+    the n-best documents (hypotheses[0] is `text`; hypothesis k joins every segment's k-th
+    hypothesis, its score the sum of theirs)."""
+
+    text: str
+    segments: list[TranslatedSegment]
+    detected_language: str | None
+    confidence: float | None
+    hypotheses: list[Translation]
 
 
 @dataclass
@@ -199,7 +226,12 @@ class Translator:
                     self.backend.decoder_start_token_id, limit, target, prefix,
                     self.backend.vocab_size, self.model_languages[1])
             per_source.append(prepared[key])
-        results: list[list[Hypothesis]] = [[] for _ in texts]
+        return self._generate(sources, per_source)
+
+    def _generate(self, sources: list[list[int]], per_source: list[DecodingOptions]
+                  ) -> list[list[Translation]]:
+        """The hypotheses of each source, decoded in length-sorted batches."""
+        results: list[list[Hypothesis]] = [[] for _ in sources]
         for batch in self._batches(sources):
             input_ids, attention_mask = self.tokenizer.pad_batch([sources[i] for i in batch])
             outputs = generate(self.backend, input_ids, attention_mask,
@@ -208,6 +240,46 @@ class Translator:
                 results[index] = hyps
         return [[Translation(self.tokenizer.decode(h.token_ids), h.token_ids, h.score)
                  for h in hyps] for hyps in results]
+
+    def translate_document(self, text: str, options: DecodingOptions | None = None, *,
+                           format: str = "text", source_language: str | None = None,
+                           target_language: str | None = None,
+                           split_sentences: bool = True, truncate: bool = False,
+                           limits: DocumentLimits | None = None,
+                           **overrides: Any) -> DocumentTranslation:
+        """One document (a text, or HTML with format="html") translated sentence by
+        sentence, in its layout, as the server translates each text of a request
+        (tfserve.serving.documents): its sentences decode in batches together, a sentence
+        over the model's source limit is split further (never cut), and the answer joins
+        them back with their spans.
+
+        source_language: a model's code, None for its default, or "auto" (a multilingual
+        model: detected once from the whole text). split_sentences=False translates the
+        text as one sequence (over the limit: a ValueError, or cut with truncate=True).
+        limits: characters and sentences (DocumentLimits' defaults when None). Errors are
+        ValueErrors naming the field and the limit.
+        """
+        if self.encoder_only:
+            raise ValueError("this model is an encoder-only model (decoder_layers 0, a T5 "
+                             "encoder): it embeds (encode), it does not translate")
+        texts = check_texts([text], max_texts=1)
+        documents = plan_documents(
+            self.tokenizer, texts, DocumentRequest(split_sentences, format,
+                                                   source_language or ""),
+            self.max_source_tokens, limits or DocumentLimits(), truncate,
+            self.model_languages[0])
+        options = request_options(
+            self.tokenizer, self.generation_defaults, self._given_options(options, overrides),
+            self.backend.decoder_start_token_id, self.backend.max_target_positions - 1,
+            target_language, None, self.backend.vocab_size, self.model_languages[1])
+        rows = self._generate(documents.sources, [options] * len(documents.sources))
+        answer = documents.result(0, rows)
+        hypotheses = [Translation(h.text, h.token_ids, h.score) for h in answer.hypotheses]
+        detected = answer.detected
+        return DocumentTranslation(
+            hypotheses[0].text, answer.segments,
+            detected.language if detected is not None else None,
+            detected.confidence if detected is not None else None, hypotheses)
 
     def _source(self, text: str, index: int, source_language: str | None,
                 truncate: bool) -> list[list[int]]:

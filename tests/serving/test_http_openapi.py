@@ -157,8 +157,8 @@ def test_the_document_carries_the_servers_limits(server: ServerThread) -> None:
     assert {path for path, item in paths.items() for operation in item.values()
             if "parameters" in operation and any(p["in"] == "header"
                                                  for p in operation["parameters"])} == {
-        "/v1/translate", "/v1/translate:stream", "/v1/encode", "/v1/model", "/v1/models",
-        "/v1/models/{name}"}
+        "/v1/translate", "/v1/translate:stream", "/v1/encode", "/v1/detect", "/v1/model",
+        "/v1/models", "/v1/models/{name}"}
     translate = schemas["TranslateRequest"]
     assert translate["additionalProperties"] is False
     assert translate["properties"]["texts"]["maxItems"] == MAX_TEXTS
@@ -190,6 +190,12 @@ MODEL_RULES = re.compile("|".join((
     r"target_prefix",
     r"options\.(max_new_tokens|min_new_tokens|num_return_sequences) must be",
     r"options\.num_beams must be 1 when do_sample",
+    # documents (tfserve.serving.documents): markup without text, a rule between fields,
+    # the sentences a text splits into, a text whose language cannot be detected
+    r"texts\[\d+\] holds no text to translate",
+    r"format 'html' needs split_sentences",
+    r"texts\[\d+\]: text has more than \d+ sentences|texts split into more than",
+    r"texts\[\d+\]: the language of the text cannot be detected",
 )))
 
 

@@ -23,6 +23,8 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 
 from tfserve.frontends.messages import (
+    detect_input,
+    detect_response,
     encode_input,
     encode_response,
     list_models_response,
@@ -237,7 +239,7 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
 
     @unary("Translate")
     async def Translate(self, request: Message, call: GrpcCall) -> Message:
-        translations = await self.core.translate(call, translate_input(request))
+        translations = await self.core.translate_documents(call, translate_input(request))
         return call.sized(translate_response(translations, call.request_id))
 
     @streaming("TranslateStream")
@@ -252,6 +254,11 @@ class TranslatorService(pb2_grpc.TranslatorServicer):
     async def Encode(self, request: Message, call: GrpcCall) -> Message:
         encodings = await self.core.encode(call, encode_input(request))
         return call.sized(encode_response(encodings, call.request_id))
+
+    @unary("Detect")
+    async def Detect(self, request: Message, call: GrpcCall) -> Message:
+        guesses = await self.core.detect(call, detect_input(request))
+        return call.sized(detect_response(guesses, call.request_id))
 
     @unary("GetModelInfo")
     async def GetModelInfo(self, request: Message, call: GrpcCall) -> Message:

@@ -11,6 +11,7 @@ its OpenAPI document (tfserve.frontends.openapi).
     POST /v1/translate:stream   TranslateRequest -> server-sent events of
                                 TranslateStreamResponse, then `event: done`  (TranslateStream)
     POST /v1/encode             EncodeRequest -> EncodeResponse              (Encode)
+    POST /v1/detect             DetectRequest -> DetectResponse              (Detect)
     GET  /v1/model              ModelInfo of the default model               (GetModelInfo)
     GET  /v1/models             ListModelsResponse: every model, its state   (ListModels)
     GET  /v1/models/{name}      ModelInfo of that model (not loaded by it)   (GetModelInfo)
@@ -54,6 +55,8 @@ from tfserve.frontends.http_errors import (
     oip_error_response,
 )
 from tfserve.frontends.messages import (
+    detect_input,
+    detect_response,
     encode_input,
     encode_response,
     from_json,
@@ -275,6 +278,10 @@ ROUTES = (
     Route(Operation("POST", "/v1/encode", "Sentence embeddings and per-token hidden states",
                     "EncodeRequest", "EncodeResponse", errors=(*_CALL_ERRORS, 413), call=True),
           "encode"),
+    Route(Operation("POST", "/v1/detect", "The language of each text (ISO 639 code, "
+                    "confidence, and the model's code for it)",
+                    "DetectRequest", "DetectResponse", errors=(*_CALL_ERRORS, 413), call=True),
+          "detect"),
     Route(Operation("GET", "/v1/model", "The default model and the server's limits",
                     response="ModelInfo", errors=(400, 401, 404, 429, 500, 503), call=True),
           "model"),
@@ -345,7 +352,8 @@ class HttpApi:
 
     async def translate(self, request: web.Request) -> web.Response:
         async def answer(message: Any, call: HttpCall) -> bytes:
-            translations = await self.core.translate(call, translate_input(message))
+            translations = await self.core.translate_documents(call,
+                                                               translate_input(message))
             return call.sized(translate_response(translations, call.request_id))
 
         return await self._unary(request, "Translate", pb2.TranslateRequest, answer)
@@ -356,6 +364,13 @@ class HttpApi:
             return call.sized(encode_response(encodings, call.request_id))
 
         return await self._unary(request, "Encode", pb2.EncodeRequest, answer)
+
+    async def detect(self, request: web.Request) -> web.Response:
+        async def answer(message: Any, call: HttpCall) -> bytes:
+            guesses = await self.core.detect(call, detect_input(message))
+            return call.sized(detect_response(guesses, call.request_id))
+
+        return await self._unary(request, "Detect", pb2.DetectRequest, answer)
 
     async def model(self, request: web.Request) -> web.Response:
         async def answer(message: Any, call: HttpCall) -> bytes:

@@ -2,8 +2,10 @@
 for both of tfserve's own front ends: the gRPC one sends the messages as protobuf, the HTTP
 one as their JSON mapping (`to_json` / `from_json`), so both speak one schema, written once.
 
-Requests become `TranslateInput` / `EncodeInput`; hypotheses, stream chunks, encodings and
-the repository's model statuses become response messages. Nothing here knows a transport.
+Requests become `TranslateInput` / `EncodeInput` / `DetectInput`; translations (a
+document's segments and detected language with them), stream chunks, encodings, language
+guesses and the repository's model statuses become response messages. Nothing here knows a
+transport.
 """
 
 from __future__ import annotations
@@ -22,11 +24,16 @@ from tfserve.proto import load as load_stubs
 from tfserve.scheduler import Encoded
 from tfserve.serving import (
     Chunk,
+    DetectedLanguage,
+    DetectInput,
     EncodeInput,
     InvalidArgument,
+    LanguageGuess,
     ModelStatus,
     OptionFields,
     TextHypothesis,
+    TranslatedSegment,
+    TranslatedText,
     TranslateInput,
     shown,
 )
@@ -99,7 +106,15 @@ def translate_input(request: Message) -> TranslateInput:
                           truncate=request.truncate, options=option_fields(request.options),
                           source_language=request.source_language,
                           target_language=request.target_language,
-                          target_prefix=request.target_prefix)
+                          target_prefix=request.target_prefix,
+                          split_sentences=(request.split_sentences
+                                           if request.HasField("split_sentences") else None),
+                          format=request.format)
+
+
+def detect_input(request: Message) -> DetectInput:
+    """DetectRequest -> DetectInput."""
+    return DetectInput(model=request.model, texts=request.texts)
 
 
 def encode_input(request: Message) -> EncodeInput:
@@ -118,12 +133,32 @@ def hypothesis(found: TextHypothesis) -> Message:
     return pb2.Hypothesis(text=found.text, token_ids=found.token_ids, score=found.score)
 
 
-def translate_response(results: Sequence[list[TextHypothesis]], request_id: str) -> Message:
-    """A TranslateResponse: one Translation per input, its hypotheses in order."""
-    return pb2.TranslateResponse(
-        request_id=request_id,
-        translations=[pb2.Translation(hypotheses=[hypothesis(h) for h in hypotheses])
-                      for hypotheses in results])
+def segment(found: TranslatedSegment) -> Message:
+    """A Segment message: its spans, and its own hypotheses when there are several."""
+    return pb2.Segment(source_start=found.source_start, source_end=found.source_end,
+                       target_start=found.target_start, target_end=found.target_end,
+                       hypotheses=[hypothesis(h) for h in found.hypotheses])
+
+
+def _detected(detected: DetectedLanguage | None) -> dict[str, Any]:
+    """The detected_language and confidence fields (none without detection)."""
+    if detected is None:
+        return {}
+    return {"detected_language": detected.language, "confidence": detected.confidence}
+
+
+def translation(result: TranslatedText) -> Message:
+    """A Translation: its hypotheses in order, a document's segments, the language
+    detected."""
+    return pb2.Translation(hypotheses=[hypothesis(h) for h in result.hypotheses],
+                           segments=[segment(found) for found in result.segments],
+                           **_detected(result.detected))
+
+
+def translate_response(results: Sequence[TranslatedText], request_id: str) -> Message:
+    """A TranslateResponse: one Translation per input, in order."""
+    return pb2.TranslateResponse(request_id=request_id,
+                                 translations=[translation(result) for result in results])
 
 
 def stream_response(chunk: Chunk, request_id: str) -> Message:
@@ -132,14 +167,24 @@ def stream_response(chunk: Chunk, request_id: str) -> Message:
     if not chunk.done:
         return pb2.TranslateStreamResponse(index=chunk.index, request_id=request_id,
                                            text_delta=chunk.text_delta,
-                                           token_ids=chunk.token_ids)
+                                           token_ids=chunk.token_ids, segment=chunk.segment,
+                                           separator=chunk.separator)
     assert chunk.final is not None
     message = pb2.TranslateStreamResponse(
         index=chunk.index, request_id=request_id, done=True, text_delta=chunk.text_delta,
-        token_ids=chunk.token_ids, final=hypothesis(chunk.final))
+        token_ids=chunk.token_ids, final=hypothesis(chunk.final), segment=chunk.segment,
+        separator=chunk.separator, segments=[segment(found) for found in chunk.segments],
+        **_detected(chunk.detected))
     if chunk.hypotheses:
         message.hypotheses.extend(hypothesis(h) for h in chunk.hypotheses)
     return message
+
+
+def detect_response(guesses: Sequence[LanguageGuess], request_id: str) -> Message:
+    """A DetectResponse: one Detection per text, in order."""
+    return pb2.DetectResponse(request_id=request_id, detections=[pb2.Detection(
+        language=guess.language, confidence=guess.confidence,
+        model_language=guess.model_language) for guess in guesses])
 
 
 def encode_response(results: Sequence[Encoded], request_id: str) -> Message:

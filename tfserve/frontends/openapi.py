@@ -25,6 +25,7 @@ from tfserve.frontends.messages import is_repeated, pb2
 from tfserve.serving.requests import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 from tfserve.serving.settings import ServerConfig
 from tfserve.serving.status import Status
+from tfserve.text.documents import FORMATS
 from tfserve.text.inputs import POOLINGS
 from tfserve.text.translation_inputs import MAX_PREFIX_CHARS
 from tfserve.version import __version__
@@ -127,7 +128,8 @@ def input_limits(config: ServerConfig) -> dict[str, dict[str, Any]]:
             "properties": {"texts": texts, "requestId": REQUEST_ID_SCHEMA,
                            "tokenIds": {"maxItems": config.max_texts_per_request},
                            "targetPrefix": {"maxItems": config.max_texts_per_request,
-                                            "items": {"maxLength": MAX_PREFIX_CHARS}}},
+                                            "items": {"maxLength": MAX_PREFIX_CHARS}},
+                           "format": {"enum": ["", *FORMATS, None]}},
             # texts or token_ids: one of them, not empty
             "anyOf": [{"required": ["texts"], "properties": {
                            "texts": {"type": "array", "minItems": 1},
@@ -139,6 +141,12 @@ def input_limits(config: ServerConfig) -> dict[str, dict[str, Any]]:
         "EncodeRequest": {
             "properties": {"texts": {**texts, "minItems": 1}, "requestId": REQUEST_ID_SCHEMA,
                            "pooling": {"enum": ["", *POOLINGS, None]}},
+            "required": ["texts"],
+        },
+        "DetectRequest": {
+            "properties": {"texts": {**texts, "minItems": 1, "items": {
+                               **text, "maxLength": config.max_document_characters}},
+                           "requestId": REQUEST_ID_SCHEMA},
             "required": ["texts"],
         },
         "TokenIds": {"properties": {"ids": {"minItems": 1, "items": {

@@ -8,10 +8,14 @@
                   tokenization and submission to the scheduler (Submitter)
     results       what a translation answers: each hypothesis with its text
                   (TextHypothesis)
+    documents     a request's texts as documents: split into sentences (rows of the
+                  batch), "text" or "html", source_language "auto"; the rows' hypotheses
+                  joined back into each text's layout (TranslatedText, with segments)
+    detection     the Detect RPC: each text's language (LanguageGuess)
     calls         per-call bookkeeping: in-flight count, request id, deadline, metrics by
                   (rpc, status), one access-log record (Calls, Call)
     stream        streamed translation: tokens -> text deltas (TextDelta, TokenStream,
-                  Chunk)
+                  Chunk; a document's segments in order: DocumentChunks)
     model_info    the model and the server's limits (the tfserve.v1 ModelInfo message)
     model_scan    a model repository directory: one Entry per model (name, version, memory)
     loaded        LoadedModel: one loaded version of a model, with its own scheduler and
@@ -21,7 +25,8 @@
     repository    ModelRepository: the models served; choosing, loading, unloading (LRU),
                   rescanning, swapping versions
     core          ServingCore: config, models, metrics, calls; one method per RPC
-                  (translate, translate_stream, encode, model_info, list_models); start
+                  (translate, translate_documents, translate_stream, detect, encode, model_info,
+                  list_models); start
                   and drain
 
 The front ends (tfserve.frontends: gRPC, HTTP/JSON) build on it and only convert their wire
@@ -31,11 +36,14 @@ transport reuses it as it is.
 
 from tfserve.serving.calls import REQUEST_ID_KEY, Call, Calls
 from tfserve.serving.core import ServingCore
+from tfserve.serving.detection import LanguageGuess
+from tfserve.serving.documents import DetectedLanguage, TranslatedSegment, TranslatedText
 from tfserve.serving.loaded import LoadedModel
 from tfserve.serving.model_info import Limits, ModelInfo, ParitySummary
 from tfserve.serving.model_slot import ModelStatus
 from tfserve.serving.repository import ModelRepository
 from tfserve.serving.requests import (
+    DetectInput,
     EncodeInput,
     OptionFields,
     Submitter,
@@ -62,9 +70,12 @@ __all__ = [
     "Call",
     "Calls",
     "Chunk",
+    "DetectInput",
+    "DetectedLanguage",
     "Draining",
     "EncodeInput",
     "InvalidArgument",
+    "LanguageGuess",
     "Limits",
     "LoadedModel",
     "ModelCapacity",
@@ -84,6 +95,8 @@ __all__ = [
     "TextHypothesis",
     "TokenStream",
     "TranslateInput",
+    "TranslatedSegment",
+    "TranslatedText",
     "check_request_id",
     "shown",
     "status_for",

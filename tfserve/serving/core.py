@@ -11,7 +11,10 @@ renders the result in its wire format and ends the call (`call.finish(Status.OK)
 answer is made, or `call.failed(exc)` for the status to answer):
 
     translate         TranslateInput -> each input's hypotheses, with their texts
+    translate_documents  TranslateInput -> each input's TranslatedText (hypotheses, a
+                      document's segments, the language detected)
     translate_stream  TranslateInput -> stream Chunks (text deltas, then each input's last)
+    detect            DetectInput -> each text's language (LanguageGuess)
     encode            EncodeInput -> each input's Encoded (embedding, hidden states)
     model_info        model name, version -> ModelInfo (loaded or described from its files)
     list_models       -> every model's ModelStatus and the default model's name
@@ -35,12 +38,14 @@ from collections.abc import AsyncIterator
 
 from tfserve.scheduler import Encoded
 from tfserve.serving.calls import Call, Calls
+from tfserve.serving.detection import LanguageGuess, detect_texts
+from tfserve.serving.documents import TranslatedText
 from tfserve.serving.loaded import LoadedModel
 from tfserve.serving.model_info import ModelInfo, model_info, unloaded_model_info
 from tfserve.serving.model_scan import Entry
 from tfserve.serving.model_slot import ModelStatus
 from tfserve.serving.repository import ModelRepository
-from tfserve.serving.requests import EncodeInput, TranslateInput
+from tfserve.serving.requests import DetectInput, EncodeInput, TranslateInput
 from tfserve.serving.results import TextHypothesis, with_texts
 from tfserve.serving.served_model import ServedModel
 from tfserve.serving.settings import ServerConfig
@@ -78,11 +83,28 @@ class ServingCore:
 
     async def translate(self, call: Call, request: TranslateInput
                         ) -> list[list[TextHypothesis]]:
-        """Translate: the hypotheses of each input, in order, with their texts."""
+        """Translate: the hypotheses of each input, in order, with their texts (a
+        document's: the documents of its n-best list, tfserve.serving.documents)."""
+        return [[TextHypothesis(found.text, found.token_ids, found.score)
+                 for found in translated.hypotheses]
+                for translated in await self.translate_documents(call, request)]
+
+    async def translate_documents(self, call: Call, request: TranslateInput
+                                  ) -> list[TranslatedText]:
+        """Translate: each input's answer, in order: its hypotheses and, for a text split
+        into sentences, its segments and the language detected (source_language "auto").
+        A document's sentences are rows of the one job, joined back once it has ended."""
         call.begin()
         model = await self._acquire(call, request.model, request.version)
-        job = await model.submitter.submit_translate(request, call)
-        return with_texts(await call.wait(job), model.decode)
+        job, documents = await model.submitter.submit_documents(request, call)
+        return documents.results(with_texts(await call.wait(job), model.decode))
+
+    async def detect(self, call: Call, request: DetectInput) -> list[LanguageGuess]:
+        """Detect: each text's language, with the model's code for it where the model has
+        language codes."""
+        call.begin()
+        model = await self._acquire(call, request.model, request.version)
+        return await detect_texts(request.texts, model.runtime.tokenizer, self.config)
 
     async def translate_stream(self, call: Call, request: TranslateInput
                                ) -> AsyncIterator[Chunk]:
@@ -91,11 +113,11 @@ class ServingCore:
         call.begin()
         model = await self._acquire(call, request.model, request.version)
         stream = TokenStream(asyncio.get_running_loop())
-        job = await model.submitter.submit_translate(request, call, stream.on_event)
+        job, documents = await model.submitter.submit_documents(request, call, stream.on_event)
         call.job = job
         await call.accepted()
         stream.end_with(job)
-        async for chunk in stream.chunks(model.decode):
+        async for chunk in stream.chunks(model.decode, documents):
             yield chunk
         await call.wait(job)  # raises the job's error, if it failed
 

@@ -20,9 +20,16 @@ from tfserve import option_table
 from tfserve.artifacts.generation_defaults import GenerationDefaults
 from tfserve.generation import DecodingOptions
 from tfserve.scheduler import Job, Scheduler, StreamEvent
+from tfserve.serving.documents import (
+    DocumentRequest,
+    Documents,
+    check_format,
+    plan_documents,
+)
 from tfserve.serving.served_model import ServedModel
 from tfserve.serving.settings import ServerConfig
 from tfserve.serving.status import InvalidArgument
+from tfserve.text.documents import DocumentLimits
 from tfserve.text.inputs import POOLINGS, check_texts
 from tfserve.text.languages import LanguageError
 from tfserve.text.translation_inputs import PrefixError, request_options, source_ids
@@ -85,7 +92,10 @@ unset), and the model's generation default, else the server's, applies."""
 class TranslateInput:
     """A translate request: the model it names ("": the default model) and, optionally, its
     version ("": whichever serves), texts or token ids (one of them), their languages,
-    target prefixes (none, one for all inputs, or one per input), and how to decode them."""
+    target prefixes (none, one for all inputs, or one per input), and how to decode them.
+    Texts are documents, split into sentences, unless split_sentences is False (None: the
+    default, true); `format` is "text" ("" too) or "html"; source_language may be "auto"
+    (tfserve.serving.documents)."""
 
     model: str = ""
     version: str = ""
@@ -96,6 +106,23 @@ class TranslateInput:
     source_language: str = ""
     target_language: str = ""
     target_prefix: Sequence[str] = ()
+    split_sentences: bool | None = None
+    format: str = ""
+
+    @property
+    def document(self) -> DocumentRequest:
+        """How its texts are read as documents."""
+        return DocumentRequest(self.split_sentences, self.format, self.source_language)
+
+
+@dataclass(frozen=True)
+class DetectInput:
+    """A detect request: the model whose language codes to map to (as TranslateInput),
+    and texts."""
+
+    model: str = ""
+    version: str = ""
+    texts: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -149,6 +176,30 @@ class Submitter:
         self.generation_defaults = server_defaults(runtime.manifest.generation_defaults,
                                                    config.default_max_new_tokens)
         self.encoder_only = bool(runtime.config.encoder_only)
+        self.document_limits = DocumentLimits(config.max_document_characters,
+                                              config.max_document_sentences)
+
+    async def documents(self, request: TranslateInput, call: Counted) -> Documents:
+        """The request's rows: each text a document split into sentences (unless the
+        request turns splitting off: one row per text), or the token-id inputs as given;
+        with the shared checks. Large requests are planned off the event loop."""
+        if len(request.texts) and len(request.token_ids):
+            raise InvalidArgument("texts and token_ids are mutually exclusive: give one")
+        if len(request.token_ids):
+            check_format(request.format)  # known, though only texts are read by it
+            sources = await self.sources(request, call)
+            count = len(sources)
+            return Documents(sources, [(index, 0) for index in range(count)],
+                             list(range(count)), [None] * count, [None] * count, [])
+        call.texts = len(request.texts)
+        with field_errors():
+            texts = check_texts(list(request.texts),
+                                max_texts=self.config.max_texts_per_request)
+        args = (self.tokenizer, texts, request.document, self.max_source_tokens,
+                self.document_limits, request.truncate, self.model_languages[0])
+        if sum(len(text) for text in texts) <= INLINE_TOKENIZE_CHARS:
+            return plan_documents(*args)
+        return await asyncio.to_thread(plan_documents, *args)
 
     async def sources(self, request: TranslateInput, call: Counted) -> list[list[int]]:
         """Token ids per input from texts or token_ids, with the shared checks."""
@@ -232,13 +283,29 @@ class Submitter:
     async def submit_translate(self, request: TranslateInput, call: Counted,
                                on_event: Callable[[StreamEvent], None] | None = None) -> Job:
         """Check, tokenize and queue a translate request; on_event streams its tokens."""
+        return (await self.submit_documents(request, call, on_event))[0]
+
+    async def submit_documents(self, request: TranslateInput, call: Counted,
+                               on_event: Callable[[StreamEvent], None] | None = None
+                               ) -> tuple[Job, Documents]:
+        """Check, plan and queue a translate request: one job whose inputs are every
+        text's rows (a document's sentences are ordinary rows of the continuous batch);
+        on_event streams the rows' tokens (StreamEvent.index: the row). A target prefix
+        applies to its text's first row."""
         if self.encoder_only:
             raise InvalidArgument(ENCODER_ONLY)
-        sources = await self.sources(request, call)
-        options = await self.options(request, len(sources))
+        documents = await self.documents(request, call)
+        per_input = await self.options(request, documents.count)
+        options = per_input
+        if len(documents.sources) != documents.count:
+            plain = per_input[0] if not len(request.target_prefix) else \
+                self._options(request, [("target_prefix", "")])[0]
+            options = [per_input[index] if segment == 0 else plain
+                       for index, segment in documents.row_of]
         with field_errors("options."):
-            return self.scheduler.submit_translate(sources, options, deadline=call.deadline,
-                                                   on_event=on_event)
+            job = self.scheduler.submit_translate(documents.sources, options,
+                                                  deadline=call.deadline, on_event=on_event)
+        return job, documents
 
     async def submit_encode(self, request: EncodeInput, call: Counted) -> Job:
         """Check, tokenize and queue an encode request."""
