@@ -25,6 +25,7 @@ import json
 import os
 import pwd
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -56,16 +57,19 @@ PROTO = "proto/tfserve/v1/translator.proto"
 NON_ROOT_USER = "nobody"
 # what the checks' subprocesses may take at most: a safety net, every wait is for a state
 TIMEOUT = 300
+# the same for a pip install from the index: resolving and downloading a large set of
+# packages (tritonclient and kserve with theirs, or onnxruntime-gpu) over a slow network
+INSTALL_TIMEOUT = 1800
 
 
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def run(args: Sequence[str | Path], cwd: Path | None = None,
-        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run(args: Sequence[str | Path], cwd: Path | None = None, env: dict[str, str] | None = None,
+        timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
     """Run a command; a failure shows its output."""
     done = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT)
+                          text=True, timeout=timeout)
     assert done.returncode == 0, (
         f"{' '.join(map(str, args))} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
     return done
@@ -220,7 +224,7 @@ def make_venv(work: Path, name: str, user: User, requirements: Sequence[str | Pa
             os.chown(folder, user.uid, user.gid)
     venv = Venv(path, user, home, cache)
     run([venv.python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-         *requirements])
+         *requirements], timeout=INSTALL_TIMEOUT)
     make_read_only(path)
     return venv
 
@@ -292,7 +296,7 @@ def build_python(work: Path) -> Path:
     run([sys.executable, "-m", "venv", path])
     python = path / "bin" / "python"
     run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-         *pyproject["build-system"]["requires"]])
+         *pyproject["build-system"]["requires"]], timeout=INSTALL_TIMEOUT)
     return python
 
 
@@ -576,11 +580,102 @@ def test_wheel_installs_beside_tritonclient_and_kserve(work: Path, user: User, b
                 proc.wait(TIMEOUT)
 
 
-def test_runs_as_another_user(user: User) -> None:
-    """The read-only checks above mean something only for a non-root user."""
+# -- what docs/deployment.md says about installing ---------------------------------------------
+
+DEPLOYMENT = ROOT / "docs" / "deployment.md"
+GPU_SECTION = "### GPU without the image: pip"
+# run in the GPU venv: who owns the `onnxruntime` module, what it is, and the files of
+# onnxruntime-gpu's RECORD that are missing or not as its wheel wrote them
+ONNXRUNTIME_STATE = """
+import base64, hashlib, importlib.metadata as metadata, json
+import onnxruntime
+owners = sorted(metadata.packages_distributions().get("onnxruntime", []))
+changed = []
+if "onnxruntime-gpu" in owners:
+    for file in metadata.distribution("onnxruntime-gpu").files or []:
+        if file.hash is None:
+            continue
+        try:
+            digest = hashlib.new(file.hash.mode, file.locate().read_bytes()).digest()
+        except FileNotFoundError:
+            changed.append(str(file))
+            continue
+        if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() != file.hash.value:
+            changed.append(str(file))
+print(json.dumps({"owners": owners, "version": getattr(onnxruntime, "__version__", None),
+                  "providers": onnxruntime.get_available_providers(), "changed": changed,
+                  "gpu": metadata.version("onnxruntime-gpu") if "onnxruntime-gpu" in owners
+                  else None}))
+"""
+
+
+def test_deployment_doc_lists_the_base_dependencies() -> None:
+    """The image's venv holds pyproject.toml's base dependencies: docs/deployment.md names
+    each of them, and nothing else, where it says so."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {re.match(r"[A-Za-z0-9._-]+", requirement).group(0).lower()
+             for requirement in project["dependencies"]}
+    listed = re.search(r"the base dependencies of\s+pyproject\.toml \(([^)]*)\)",
+                       DEPLOYMENT.read_text(encoding="utf-8"))
+    assert listed, "docs/deployment.md no longer lists the base dependencies"
+    assert {name.strip() for name in listed.group(1).split(",")} == names
+
+
+def documented_gpu_recipe() -> list[list[str]]:
+    """The commands of docs/deployment.md's pip GPU recipe, as written."""
+    section = DEPLOYMENT.read_text(encoding="utf-8").split(GPU_SECTION, 1)[1]
+    block = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert block, f"no sh block under {GPU_SECTION!r}"
+    return [shlex.split(line) for line in block.group(1).splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_documented_gpu_install_leaves_one_onnxruntime(work: Path, built: Built) -> None:
+    """docs/deployment.md's pip recipe for CUDA, run as written on the built wheel
+    (onnxruntime-gpu comes from the index: about 250 MB). `tfserve[gpu]` alone leaves two
+    distributions owning the `onnxruntime` module (why the recipe exists); after the recipe
+    onnxruntime-gpu owns it alone, every file as its wheel wrote it, its build lists the CUDA
+    provider (the providers a build has, with or without a GPU) and tfserve's runtime imports
+    on it."""
+    recipe = documented_gpu_recipe()
+    assert [command[:2] for command in recipe] == [["pip", "install"], ["pip", "uninstall"],
+                                                   ["pip", "install"]], recipe
+    path = work / "gpu-venv"
+    run([sys.executable, "-m", "venv", path])
+    python = path / "bin" / "python"
+
+    def state() -> dict[str, Any]:
+        return json.loads(run([python, "-c", ONNXRUNTIME_STATE], cwd=work).stdout)
+
+    for number, (_, verb, *args) in enumerate(recipe):
+        args = [f"{built.wheel}[gpu]" if arg == "tfserve[gpu]" else arg for arg in args]
+        run([python, "-m", "pip", verb, "--quiet", "--disable-pip-version-check", *args],
+            timeout=INSTALL_TIMEOUT)
+        if number == 0:
+            assert state()["owners"] == ["onnxruntime", "onnxruntime-gpu"]
+    after = state()
+    assert after["owners"] == ["onnxruntime-gpu"], after
+    assert after["changed"] == [] and after["version"] == after["gpu"], after
+    assert "CUDAExecutionProvider" in after["providers"], after
+    run([python, "-c", "import tfserve.runtime, tfserve.server.main"], cwd=work)
+
+
+def test_runs_as_another_user(work: Path, user: User) -> None:
+    """The read-only checks above mean something only for a user whom read-only stops: the
+    processes the venvs run (user.prefix) are not root's, and cannot write in a directory
+    made read-only as make_venv makes the venvs."""
     if not user.other:
         pytest.skip(user.reason)
-    assert user.prefix or os.geteuid() != 0
+    locked = work / "read-only-probe"
+    locked.mkdir()
+    make_read_only(locked)
+    probe = subprocess.run(
+        user.prefix + [user.python, "-c", "import os, sys\nprint(os.geteuid(), flush=True)\n"
+                       "open(os.path.join(sys.argv[1], 'written'), 'w')", str(locked)],
+        capture_output=True, text=True, timeout=60, cwd="/")
+    assert int(probe.stdout.split()[0]) != 0, probe.stdout
+    assert probe.returncode != 0 and "PermissionError" in probe.stderr, probe.stderr
+    assert not (locked / "written").exists()
 
 
 # -- an editable install of a read-only checkout ------------------------------------------------
