@@ -133,7 +133,8 @@ class SpmVocabText:
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ids whose special tokens are already removed; an id without a piece
         is the unk token's text (module docstring)."""
-        text, run = "", []
+        text = ""
+        run: list[str] = []  # the pieces since the last id without one
         for i in ids:
             piece = self.id_to_piece.get(i)
             if piece is not None:
