@@ -63,8 +63,8 @@ def t5_from_spiece(path: Path, extra_ids: int) -> Any:
     ])
     tokenizer.decoder = decoders.Metaspace(replacement=WORD_BOUNDARY, prepend_scheme="always",
                                            split=True)
-    # transformers lists the control and user-defined pieces (MADLAD's <2xx>) among
-    # T5Tokenizer's special tokens
+    # the control pieces and unk are T5Tokenizer's special tokens; the user-defined pieces are
+    # not added tokens (see above): the Unigram model emits them whole, as SentencePiece does
     special = [p.piece for p in proto.pieces if p.type in (UNKNOWN, CONTROL)]
     tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                   for t in special + sentinels])
