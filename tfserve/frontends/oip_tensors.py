@@ -340,7 +340,7 @@ def _check_type(name: str, value: Any, kind: type) -> None:
                               f"{shown_value(value)}")
     if isinstance(value, int) and not isinstance(value, bool) and not (
             _INT_RANGE[0] <= value <= _INT_RANGE[1]):
-        raise InvalidArgument(f"parameters.{name} must be a 64-bit integer, got "
+        raise InvalidArgument(f"parameters.{name} must fit in 64 bits, got "
                               f"{shown_value(value)}")
     if isinstance(value, str):
         try:
