@@ -135,7 +135,6 @@ class Documents:
     first_row: list[int]
     plans: list[DocumentPlan | None]
     detected: list[DetectedLanguage | None]
-    source_texts: list[str]
 
     @property
     def count(self) -> int:
@@ -300,7 +299,7 @@ def plan_documents(tokenizer: Tokenizer, texts: Sequence[str], request: Document
         sources += _tokenized(tokenizer, plan.rows, code, max_source_tokens, False,
                               model_source_language, where)
         row_of += [(index, segment) for segment in range(len(plan.rows))]
-    return Documents(sources, row_of, first_row, plans, detected, list(texts))
+    return Documents(sources, row_of, first_row, plans, detected)
 
 
 class _named:

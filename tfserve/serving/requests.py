@@ -190,7 +190,7 @@ class Submitter:
             sources = await self.sources(request, call)
             count = len(sources)
             return Documents(sources, [(index, 0) for index in range(count)],
-                             list(range(count)), [None] * count, [None] * count, [])
+                             list(range(count)), [None] * count, [None] * count)
         call.texts = len(request.texts)
         with field_errors():
             texts = check_texts(list(request.texts),
