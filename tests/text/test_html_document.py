@@ -200,15 +200,18 @@ def test_tag_soup_never_fails_and_keeps_markup_in_order(pieces: list[str], split
 
 @settings(max_examples=200, deadline=None)
 @given(words=st.lists(st.sampled_from(["Hello", "big", "world", "the", "a", "dog", "Linux",
-                                       "3.14", "café", "你好"]), min_size=1, max_size=12),
+                                       "3.14", "café", "你好", "end.", "Why?"]),
+                      min_size=1, max_size=12),
        marks=st.lists(st.tuples(st.integers(0, 11), st.integers(1, 4),
                                 st.sampled_from(["b", "i", "a", "em"])), max_size=4),
        target=st.lists(st.sampled_from(["Bonjour", "grand", "monde", "le", "chien", "Linux",
-                                        "x"]), max_size=15))
+                                        "x"]), max_size=15),
+       split=st.booleans())
 def test_well_formed_input_gives_well_formed_output(words: list[str],
                                                     marks: list[tuple[int, int, str]],
-                                                    target: list[str]) -> None:
-    # nested, non-overlapping tags over a sentence's words, a random translation
+                                                    target: list[str], split: bool) -> None:
+    # nested, non-overlapping tags over a block's words (elements may span sentences), a
+    # random translation for every row
     opens: dict[int, list[str]] = {}
     closes: dict[int, list[str]] = {}
     taken: list[tuple[int, int]] = []
@@ -231,7 +234,7 @@ def test_well_formed_input_gives_well_formed_output(words: list[str],
                     for i, word in enumerate(words))
     document = f"<p>{body}.</p>"
     assert tags(document).well_formed
-    plan = plan_document(document, format="html", split_sentences=False)
+    plan = plan_document(document, format="html", split_sentences=split)
     out = plan.assemble([" ".join(target)] * len(plan.rows)).text
     assert tags(out).well_formed
     assert sorted(tags(out).tags) == sorted(tags(document).tags)

@@ -28,6 +28,7 @@ Pure Python.
 
 from __future__ import annotations
 
+import bisect
 import html
 import re
 from collections.abc import Callable
@@ -51,6 +52,8 @@ VOID_ELEMENTS = frozenset(
     "area base br col embed hr img input link meta param source track wbr".split())
 _ENTITY = re.compile(r"&(?:#[0-9]+;?|#[xX][0-9a-fA-F]+;?|[A-Za-z][A-Za-z0-9]*;?)")
 _ASCII_SPACE = " \t\n\r\f"
+_BOUNDARY_SEARCH = 256  # characters looked at either side for a word boundary
+_STACK_SEARCH = 64  # open elements an end tag looks through for its start (bounds the work)
 
 
 def _untranslatable(name: str, attrs: list[tuple[str, str | None]]) -> bool:
@@ -168,7 +171,7 @@ def _nearest_boundary(target: str, at: int, lo: int, hi: int, word_start: bool) 
                 (position == hi or not target[position].isspace())
         return (position == hi or target[position].isspace()) and \
             (position == lo or not target[position - 1].isspace())
-    for distance in range(hi - lo + 1):
+    for distance in range(min(hi - lo, _BOUNDARY_SEARCH) + 1):
         for position in (at - distance, at + distance):
             if lo <= position <= hi and is_boundary(position):
                 return position
@@ -412,9 +415,14 @@ def _block_rows(block: list[_Item], language: str | None, split_sentences: bool,
     spans = [piece for start, end in spans for piece in pieces(content, start, end)]
     spans = _keep_opaque_whole(spans, opaque)
     rows = []
+    positions = [at for at, _ in marks]
     for start, end in spans:
         source_start, source_end = sources[start][0], sources[end - 1][1]
-        inside = [(at, item) for at, item in marks
+        # the markup at the sentence's text positions (one before its start: an opaque
+        # element whose text starts with a space), inside its extent
+        first = bisect.bisect_left(positions, start - 1)
+        last = bisect.bisect_right(positions, end)
+        inside = [(at, item) for at, item in marks[first:last]
                   if item.kind == "opaque" and item.length and at < end
                   and at + item.length > start
                   or start <= at <= end and source_start <= item.start
@@ -441,11 +449,17 @@ def _append(text: list[str], sources: list[tuple[int, int]], c: str, start: int,
 
 def _keep_opaque_whole(spans: list[tuple[int, int]],
                        opaque: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sentences merged where a boundary would cut an opaque element's text."""
+    """Sentences merged where a boundary would cut an opaque element's text: where an
+    element begun before the next sentence's start ends after the previous one's end.
+    `opaque` is in text order; one pass over both."""
     merged: list[tuple[int, int]] = []
+    index, furthest = 0, -1  # furthest end of the elements begun before the span's start
     for span in spans:
-        if merged and any(begin < span[0] and merged[-1][1] < end for begin, end in opaque
-                          if begin < end):
+        while index < len(opaque) and opaque[index][0] < span[0]:
+            if opaque[index][1] > opaque[index][0]:
+                furthest = max(furthest, opaque[index][1])
+            index += 1
+        if merged and furthest > merged[-1][1]:
             merged[-1] = (merged[-1][0], span[1])
         else:
             merged.append(span)
@@ -462,7 +476,7 @@ def _tree(marks: list[tuple[int, _Item]], offset: int) -> list[Node]:
         if item.kind == "start":
             stack.append(index)
         elif item.kind == "end":
-            for depth in range(len(stack) - 1, -1, -1):
+            for depth in range(len(stack) - 1, max(len(stack) - _STACK_SEARCH, 0) - 1, -1):
                 if marks[stack[depth]][1].name == item.name:
                     matched[stack[depth]] = index
                     del stack[depth:]
@@ -474,7 +488,7 @@ def _tree(marks: list[tuple[int, _Item]], offset: int) -> list[Node]:
         while parents and parents[-1][1] < index:
             parents.pop()
         siblings = parents[-1][0].children if parents else root
-        position = at - offset
+        position = max(at - offset, 0)
         if index in matched:
             end_at, end_item = marks[matched[index]]
             node = Node("element", item.raw, end_item.raw, position, end_at - offset)
