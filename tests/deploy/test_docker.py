@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_helpers import ServerThread, free_port, server_args
+from server_helpers import ProcessGate, ServerThread, free_port, server_args
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -209,25 +209,6 @@ class Container:
         run(self.engine, "rm", "-f", *stop_now, self.name, timeout=60)
 
 
-def _wait_in_flight(metrics_port: int, worker: threading.Thread, timeout: float = 10) -> bool:
-    """Whether the server's tfserve_in_flight_requests gauge showed a request in flight."""
-    deadline = time.monotonic() + timeout
-    while worker.is_alive() and time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
-                                        timeout=5) as response:
-                text = response.read().decode()
-        except OSError:
-            text = ""
-        match = re.search(r"^tfserve_in_flight_requests ([0-9.]+)$", text, re.M)
-        if match and float(match.group(1)) >= 1:
-            return True
-        time.sleep(0.02)
-    return False
-
-
-
-
 def _name(what: str) -> str:
     return f"tfserve-test-{what}-{os.getpid()}"
 
@@ -340,46 +321,57 @@ def test_image_has_no_torch_and_no_compilers(engine: str, image: str) -> None:
 
 @pytest.mark.docker
 def test_mounted_model_and_sigterm_drain(engine: str, image: str, random_model: Path) -> None:
-    """A model exported on the host, mounted read-only; SIGTERM mid-request drains, exits 0."""
+    """A model exported on the host, mounted read-only; SIGTERM while a request is in flight
+    drains: the request is answered in full, then the server exits 0.
+
+    The server's decoder steps are held (a ProcessGate: its directory is mounted into the
+    container and its sitecustomize put on PYTHONPATH) from before the request until the drain
+    has begun, so the request is in flight when SIGTERM arrives on any machine."""
     from tfserve.client import Client
 
-    # as `python -m export` wrote it (0755 under umask 022): readable by the container's uid
-    box = Container(engine, _name("mounted"), env={"TFSERVE_MODEL": "/models/model"},
-                    extra=["-v", f"{random_model}:/models/model:ro"])
-    try:
-        box.wait_serving()
-        with Client(box.target, timeout=60) as client:
-            assert client.model_info().model_name == "random-test-model"
-            # a request in flight when SIGTERM arrives finishes before the server stops
-            texts = [f"number {i}" for i in range(256)]  # ~2 s of decoding on one thread
-            result: dict[str, Any] = {}
+    with ProcessGate() as gate:
+        gate.directory.chmod(0o755)  # the container's user (uid 10001) reaches the socket
+        # as `python -m export` wrote it (0755 under umask 022): readable by the container's uid
+        box = Container(engine, _name("mounted"),
+                        env={"TFSERVE_MODEL": "/models/model",
+                             "PYTHONPATH": str(gate.directory),
+                             "TFSERVE_TEST_STEP_GATE": str(gate.path)},
+                        extra=["-v", f"{random_model}:/models/model:ro",
+                               "-v", f"{gate.directory}:{gate.directory}"])
+        try:
+            box.wait_serving()
+            with Client(box.target, timeout=60) as client:
+                assert client.model_info().model_name == "random-test-model"
+                gate.hold()  # the server is idle: no step comes before the chmod
+                gate.path.chmod(0o777)
+                texts = [f"number {i}" for i in range(4)]
+                result: dict[str, Any] = {}
 
-            def call() -> None:
-                try:
-                    result["out"] = client.translate(texts, max_new_tokens=100)
-                except Exception as exc:  # reported below
-                    result["error"] = exc
+                def call() -> None:
+                    try:
+                        result["out"] = client.translate(texts, max_new_tokens=20,
+                                                         min_new_tokens=20)
+                    except Exception as exc:  # reported below
+                        result["error"] = exc
 
-            worker = threading.Thread(target=call)
-            worker.start()
-            in_flight = _wait_in_flight(box.metrics_port, worker)
-            run(engine, "kill", "--signal", "TERM", box.name, check=True)
-            worker.join(60)
-        assert "error" not in result, result.get("error")
-        assert len(result["out"]) == len(texts)
-        deadline = time.monotonic() + 60
-        while box.state().get("Running") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        state = box.state()
-        assert not state.get("Running"), "still running 60 s after SIGTERM"
-        assert state.get("ExitCode") == 0, (state, box.logs()[-4000:])
-        records = box.records()
-        events = {record.get("event"): record for record in records}
-        assert "draining" in events and "stopped" in events
-        if in_flight:  # seen in flight before SIGTERM: the drain waited for it
-            assert events["draining"]["in_flight"] >= 1, events["draining"]
-    finally:
-        box.remove()
+                worker = threading.Thread(target=call)
+                worker.start()
+                gate.wait_held()  # the request's first decoder step waits: it is in flight
+                run(engine, "kill", "--signal", "TERM", box.name, check=True)
+                box.wait_logged("draining")
+                gate.release()
+                worker.join(60)
+            assert "error" not in result, result.get("error")
+            assert len(result["out"]) == len(texts)
+            run(engine, "wait", box.name, timeout=60)
+            state = box.state()
+            assert not state.get("Running"), "still running 60 s after SIGTERM"
+            assert state.get("ExitCode") == 0, (state, box.logs()[-4000:])
+            events = {record.get("event"): record for record in box.records()}
+            assert "draining" in events and "stopped" in events
+            assert events["draining"]["in_flight"] == 1, events["draining"]
+        finally:
+            box.remove()
 
 
 @pytest.mark.docker
@@ -643,15 +635,24 @@ def test_round_robin_spreads_calls_over_replicas(random_model: Path) -> None:
     with ServerThread(server_args(random_model)) as a, \
             ServerThread(server_args(random_model)) as b:
         target = f"ipv4:{a.target},{b.target}"  # what DNS gives for a headless Service
+        request = translate_request(["seven"], max_new_tokens=2)
         for policy in ("pick_first", "round_robin"):
-            before = served((a, b))
             with grpc.insecure_channel(target,
                                        options=[("grpc.lb_policy_name", policy)]) as channel:
                 stub = pb2_grpc.TranslatorStub(channel)
+                if policy == "round_robin":
+                    # until both connections are up, calls go to the one that is: call until
+                    # both replicas have answered one (a state, not a time)
+                    first = served((a, b))
+                    for _ in range(1000):
+                        stub.Translate(request, timeout=30)
+                        if min(after - before for after, before in zip(served((a, b)), first)):
+                            break
+                before = served((a, b))
                 for _ in range(8):
-                    stub.Translate(translate_request(["seven"], max_new_tokens=2), timeout=30)
+                    stub.Translate(request, timeout=30)
             calls = [after - first for after, first in zip(served((a, b)), before)]
             if policy == "pick_first":  # gRPC's default: one connection, one replica
                 assert sorted(calls) == [0, 8], calls
-            else:  # per call (the first calls may go out before both connections are up)
-                assert sum(calls) == 8 and min(calls) >= 2, calls
+            else:  # both connections up: the calls alternate
+                assert calls == [4, 4], calls
