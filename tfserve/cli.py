@@ -226,8 +226,10 @@ def cmd_translate(args: argparse.Namespace) -> None:
         from tfserve.client import Client
 
         with Client(args.server) as client:
+            # each line one sequence, as the local Translator's (--document: a document)
             results = run_non_blank(texts, lambda batch: client.translate_hypotheses(
-                batch, truncate=args.truncate, model=args.model_name, **kwargs))
+                batch, truncate=args.truncate, model=args.model_name, split_sentences=False,
+                **kwargs))
         print_translations(args, texts, results)
         return
     from tfserve.translator import Translator
@@ -249,14 +251,11 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
 
 def translate_document_file(args: argparse.Namespace) -> None:
-    """--document FILE: the file translated as one document (Translator.translate_document;
-    a server splits every text it is sent, so --server sends the file as one text), written
-    to standard output in its layout."""
+    """--document FILE: the file translated as one document (Translator.translate_document,
+    or a server's Translate with the file as one text and its format), written to standard
+    output in its layout."""
     if args.texts:
         raise ValueError("--document translates one file: give no texts beside it")
-    if args.server and args.format != "text":
-        raise ValueError("--format html with --server: the Python client sends text "
-                         "documents only; translate HTML with --model")
     text = sys.stdin.read() if str(args.document) == "-" else \
         args.document.read_text(encoding="utf-8")
     kwargs = decoding_kwargs(args)
@@ -266,7 +265,7 @@ def translate_document_file(args: argparse.Namespace) -> None:
         from tfserve.client import Client
 
         with Client(args.server) as client:
-            translated = client.translate([text], truncate=args.truncate,
+            translated = client.translate([text], truncate=args.truncate, format=args.format,
                                           model=args.model_name, **kwargs)[0]
     else:
         from tfserve.translator import Translator

@@ -100,9 +100,12 @@ def translate_request(texts: Sequence[str] | None = None, *, token_ids: Sequence
                       model: str = "", source_language: str | None = None,
                       target_language: str | None = None,
                       target_prefix: str | Sequence[str] | None = None,
+                      split_sentences: bool | None = None, format: str = "",
                       **options: Any) -> Any:
     """A TranslateRequest; `model` names one of the server's models ("": its default);
-    target_prefix: one for every input, or a list with one per input."""
+    target_prefix: one for every input, or a list with one per input. split_sentences
+    (None: the server's default, true) and format ("text", "html") say how each text is
+    read as a document (docs/documents.md)."""
     if isinstance(texts, str):
         raise ValueError("texts must be a list of strings, not one string")
     for name, value in (("source_language", source_language),
@@ -111,12 +114,15 @@ def translate_request(texts: Sequence[str] | None = None, *, token_ids: Sequence
             raise ValueError(f"{name} must be a string (one language for the request), got "
                              f"{type(value).__name__}")
     prefixes = [target_prefix] if isinstance(target_prefix, str) else list(target_prefix or [])
-    return pb2.TranslateRequest(
+    request = pb2.TranslateRequest(
         texts=list(texts or []),
         token_ids=[pb2.TokenIds(ids=list(ids)) for ids in token_ids or []],
         options=options_message(**options), truncate=truncate, request_id=request_id,
         model=model, source_language=source_language or "",
-        target_language=target_language or "", target_prefix=prefixes)
+        target_language=target_language or "", target_prefix=prefixes, format=format)
+    if split_sentences is not None:  # unset: the server's default
+        request.split_sentences = split_sentences
+    return request
 
 
 def encode_request(texts: Sequence[str], pooling: str = "mean", per_token: bool = False,

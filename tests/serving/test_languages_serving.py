@@ -126,11 +126,14 @@ def translate(transport: str, server: ServerThread, client: Client, texts: list[
               **kwargs: Any) -> list[tuple[list[int], float, str]]:
     """(token ids, score, text) of each text's best hypothesis, asked over `transport`;
     ServerError (gRPC) or (status, code, message) raised as ServerError for HTTP too."""
+    # each text one sequence (split_sentences false), as the Translator's translate_hypotheses
+    # that the answers are compared with (a server splits each text into sentences by
+    # default: issue 36, tests/serving/test_documents_languages.py)
     if transport == "grpc":
         return [(h[0].token_ids, h[0].score, h[0].text)
-                for h in client.translate_hypotheses(texts, **kwargs)]
+                for h in client.translate_hypotheses(texts, split_sentences=False, **kwargs)]
     prefix = kwargs.pop("target_prefix", None)
-    body: dict[str, Any] = {"texts": texts, "options": {}}
+    body: dict[str, Any] = {"texts": texts, "options": {}, "splitSentences": False}
     if prefix is not None:
         body["targetPrefix"] = [prefix] if isinstance(prefix, str) else list(prefix)
     for name, value in kwargs.items():
