@@ -206,9 +206,6 @@ def test_each_malformed_request_is_a_short_400(server: ServerThread, quiet: Any,
     assert len(message) <= SHORT, message[:300]
 
 
-@pytest.mark.xfail(strict=True, reason="tfserve.frontends.http_api.request_timeout: int() of "
-                   "a header past Python's digit limit raises ValueError, a 500 on every HTTP "
-                   "route (the native API's module, not the protocol's: reported)")
 def test_a_timeout_header_past_the_digit_limit(server: ServerThread) -> None:
     status, answer = post_json(server, GOOD, headers=[("x-request-timeout-ms", b"9" * 5000)])
     assert status == 400, answer[:300]

@@ -623,3 +623,18 @@ def test_the_answer_to_a_malformed_request_holds_none_of_its_bytes(
     for record in caplog.records:
         text = f"{record.getMessage()} {getattr(record, 'fields', '')} {record.exc_info}"
         assert not [part for part in token_parts(TOKEN) if part in text], text
+
+
+def test_timeout_header_digits_are_compared_by_length_before_int() -> None:
+    # int() of a string past Python's digit limit (4300) raises ValueError: a 500 before
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    from tfserve.frontends.http_api import TIMEOUT_HEADER, request_timeout
+    from tfserve.serving import InvalidArgument
+
+    def timeout(value: str) -> float:
+        return request_timeout(CIMultiDictProxy(CIMultiDict({TIMEOUT_HEADER: value})))
+
+    with pytest.raises(InvalidArgument, match=TIMEOUT_HEADER):
+        timeout("9" * 5000)
+    assert timeout("0" * 5000 + "1500") == 1.5

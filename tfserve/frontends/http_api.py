@@ -116,12 +116,14 @@ def request_timeout(headers: CIMultiDictProxy[str]) -> float:
     if not values:
         return 0.0
     text = values[0].strip()
-    if len(values) > 1 or not (text.isascii() and text.isdigit()) or not (
-            1 <= int(text) <= MAX_TIMEOUT_MS):
+    # compared by length first: int() of a string past Python's digit limit raises ValueError
+    digits = text.lstrip("0") or "0"
+    if len(values) > 1 or not (text.isascii() and text.isdigit()) or len(digits) > len(
+            str(MAX_TIMEOUT_MS)) or not 1 <= int(digits) <= MAX_TIMEOUT_MS:
         given = "several headers" if len(values) > 1 else shown(values[0])
         raise InvalidArgument(f"{TIMEOUT_HEADER} must be one integer number of milliseconds "
                               f"in [1, {MAX_TIMEOUT_MS}], got {given}")
-    return int(text) / 1000.0
+    return int(digits) / 1000.0
 
 
 def peer_name(request: web.Request) -> str:
