@@ -14,9 +14,11 @@ skipped.
   untied lm_head), 8 buckets, max distance 11, and only spiece.model (no tokenizer.json).
 
 Checked: token ids of AutoTokenizer on 200 strings (sentinels and <2fr>-style tokens
-included) and its decoding; teacher-forced logits (eager and ONNX, all at once and step by
-step through the KV cache) within 1e-5 of the logits' scale at lengths beyond the bucket
-limit; greedy and beam-4 tokens of `generate` on 50 inputs, over ONNX Runtime and eager, and
+included) and its decoding, and SentencePiece's own ids on the strings with a language tag
+(transformers >= 5.25 agrees; 5.24 did not, see test_token_ids_match_auto_tokenizer);
+teacher-forced logits (eager and ONNX, all at once and step by step through the KV cache)
+within 1e-5 of the logits' scale at lengths beyond the bucket limit; greedy and beam-4
+tokens of `generate` on 50 inputs, over ONNX Runtime and eager, and
 inside one continuous batch whose rows join at different steps; mean-pooled embeddings of
 T5EncoderModel; task prefixes and <2fr> through the Translator; refusals naming the field.
 """
