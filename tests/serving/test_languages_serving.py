@@ -475,7 +475,7 @@ def test_the_playground_offers_the_models_languages(server: ServerThread, client
         source = Select(driver.find_element(By.ID, "source-language"))
         target = Select(driver.find_element(By.ID, "target-language"))
         assert [option.text for option in source.options] == [
-            f"{SOURCE} (default)", *fh.NLLB_CODES]
+            f"{SOURCE} (default)", "Detect (auto)", *fh.NLLB_CODES]
         assert [option.text for option in target.options] == list(fh.NLLB_CODES)
         target.select_by_value("deu_Latn")
         page.fill("max-new-tokens", "12")

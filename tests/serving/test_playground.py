@@ -505,3 +505,39 @@ def test_an_encoder_only_model_embeds(browser: Any, tmp_path: Path) -> None:
         first, second = (answer.embedding.astype(float) for answer in answers)  # as JS
         similarity = float(first @ second / ((first @ first) * (second @ second)) ** 0.5)
         assert page.meta(1).endswith(f"cosine to line 1 {similarity:.3f}")
+
+
+# -- documents (issue 36) -------------------------------------------------------------------
+
+
+def answered(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The first Translation the HTTP API answers for this request."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        return json.loads(answer.read())["translations"][0]
+
+
+@pytest.mark.parametrize(("kind", "document"), [
+    ("text", "seven. twenty-one.\n\n  - three hundred and forty-two.\n"),
+    ("html", "<h1>seven</h1>\n<p>twenty-one. <b>eight</b>.</p>"),
+])
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_pasted_document_comes_back_in_its_layout(page: Page, served: Served, kind: str,
+                                                    document: str, stream: bool) -> None:
+    """Document mode sends the whole input as one text with its format: the row shows the
+    server's answer as it is (line breaks, indentation, markup as text), streamed or not,
+    with the number of segments."""
+    Select(page.driver.find_element(By.ID, "input-kind")).select_by_value(kind)
+    if not stream:
+        page.driver.find_element(By.ID, "stream").click()
+    page.fill("texts", document)
+    page.driver.find_element(By.ID, "translate").click()
+    page.wait_rows(1)
+    expected = answered(f"{served.thread.http_url}/v1/translate",
+                        {"texts": [document], "format": kind, "options": {"numBeams": 1}})
+    shown = page.element("#row-0 .translation").get_attribute("textContent")
+    assert shown == expected["hypotheses"][0]["text"]
+    assert page.element("#row-0 .source").get_attribute("textContent") == document
+    assert f"{len(expected['segments'])} segments" in page.meta(0)
+    assert "document" in page.attribute("row-0", "class")
