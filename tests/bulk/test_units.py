@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tfserve.bulk.batching import token_batches
-from tfserve.bulk.journal import Journal, JobState, JournalMismatchError, input_fingerprint
+from tfserve.bulk.journal import JobState, Journal, JournalMismatchError, input_fingerprint
 from tfserve.bulk.progress import Counts, Progress
 from tfserve.bulk.records import (
     Record,

@@ -52,10 +52,13 @@ class Progress:
         self.tty = stream.isatty() if tty is None else tty
         self._bar: Any = None
         if enabled and self.tty:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, initial=start, unit="B", unit_scale=True,
-                             file=stream, desc=label, dynamic_ncols=True)
+            try:
+                from tqdm import tqdm
+            except ImportError:  # no `files` extra: log lines on the terminal too
+                tqdm = None
+            if tqdm is not None:
+                self._bar = tqdm(total=total, initial=start, unit="B", unit_scale=True,
+                                 file=stream, desc=label, dynamic_ncols=True)
 
     def rate(self) -> float:
         """Target tokens per second since this run started."""

@@ -89,21 +89,24 @@ def _is_uri(path: str) -> bool:
 # Read tasks reserve no CPU: reading is light next to translating, and actors that reserve
 # every CPU of the cluster (the usual sizing) would otherwise leave none to read with, and the
 # job would wait forever. Ray Data's backpressure still bounds how far reads run ahead.
-READ_ARGS: dict[str, Any] = {"ray_remote_args": {"num_cpus": 0}}
+READ_ARGS: dict[str, Any] = {"num_cpus": 0}
 
 
-def read_dataset(path: str, fmt: str) -> Any:
-    """The corpus as a Ray Dataset (Ray Data's readers; lines land in a "text" column)."""
+def read_dataset(path: str, fmt: str, blocks: int | None = None) -> Any:
+    """The corpus as a Ray Dataset (Ray Data's readers; lines land in a "text" column).
+    blocks: how many blocks to cut it into (default: Ray's choice); each block is one task
+    for one actor, so a small file needs a few to keep several actors busy."""
     import ray.data
 
+    args = {**READ_ARGS, "override_num_blocks": blocks}
     if fmt == "lines":
         # blank lines stay: the output keeps one line per input line
-        return ray.data.read_text(path, drop_empty_lines=False, **READ_ARGS)
+        return ray.data.read_text(path, drop_empty_lines=False, **args)
     if fmt == "jsonl":
-        return ray.data.read_json(path, lines=True, **READ_ARGS)
+        return ray.data.read_json(path, lines=True, **args)
     if fmt == "csv":
-        return ray.data.read_csv(path, **READ_ARGS)
-    return ray.data.read_parquet(path, **READ_ARGS)
+        return ray.data.read_csv(path, **args)
+    return ray.data.read_parquet(path, **args)
 
 
 def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
@@ -175,7 +178,8 @@ def write_ordered(dataset: Any, output: str, fmt: str, field: str, output_field:
     """Stream the translated rows to one local file, in input order (preserve_order), one
     line per input line: what the one-machine job writes."""
     with open(output, "wb") as stream:
-        for batch in dataset.iter_batches(batch_format="numpy"):
+        # batch_size None: each block as it arrives, so the file grows while the job runs
+        for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
             translations = batch[output_field]
             tokens = batch.get(TOKENS_COLUMN)
             errors = batch.get(ERROR_COLUMN)
