@@ -4,6 +4,8 @@ long-sentence split (tfserve.text.long_sentences)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tfserve.bench.text_gold import SENTENCES
@@ -85,3 +87,24 @@ def test_cjk_clause_punctuation_is_a_clause_boundary() -> None:
     pieces = split_long(text, 0, len(text), lambda start, end: end - start <= 12, 100)
     assert [text[a:b] for a, b in pieces] == ["委员会将于下周开会，", "讨论明年的预算，",
                                              "并决定哪些项目值得获得更", "多资金。"]
+
+
+def test_a_long_block_goes_through_in_windows_with_the_same_sentences() -> None:
+    from tfserve.text.segmentation import WINDOW
+
+    sentence = "Dr. Smith said “Hello there.” Then he left, e.g. at 3.14 p.m. "
+    text = sentence * (3 * WINDOW // len(sentence))
+    spans = sentence_spans(text, 0, len(text), "en")
+    one = sentence_spans(sentence, 0, len(sentence), "en")
+    assert [text[a:b] for a, b in spans] == [sentence[a:b] for a, b in one] * \
+        (3 * WINDOW // len(sentence))
+
+
+def test_inputs_sentencex_is_quadratic_on_stay_fast() -> None:
+    # sentencex alone takes seconds on 140k characters of Japanese quotes (quadratic)
+    text = "「行こう。」と" * 40_000
+    started = time.perf_counter()
+    spans = sentence_spans(text, 0, len(text), "ja")
+    assert time.perf_counter() - started < 10  # seconds, on a busy 2-core machine
+    # each quote is carried on by と: one sentence (long_sentences cuts it for the model)
+    assert spans == [(0, len(text))]

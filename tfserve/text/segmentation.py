@@ -34,6 +34,21 @@ _BLOCK_BREAK = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]+")
 _LINE_PREFIX = re.compile(
     r"[ \t]*(?:(?:[-*+\u2022\u2023\u25e6\u2043\u2219\u00b7]|\d{1,9}[.)]|#{1,6}|>+)[ \t]+)*")
 
+WINDOW = 8192  # characters of a block given to sentencex at once
+
+# abbreviations sentencex's rules lack, measured on the gold set: a break after one is undone
+_ABBREVIATIONS = {
+    "fr": frozenset({"M.", "MM.", "Mme.", "Mlle.", "Mgr.", "Pr.", "cf.", "p.", "St."}),
+    "hi": frozenset({"डॉ.", "श्री.", "सं."}),
+}
+# Japanese: 「...。」と言った - a quote closed and carried on by a particle is one sentence
+_JAPANESE_QUOTE_END = re.compile(r"[」』]$")
+_JAPANESE_PARTICLE = re.compile(r"(?:と|って|とか|など|の|を|が|は)")
+# scripts written without sentence punctuation, where a space between two of its letters
+# ends a sentence (Thai, Lao); the space also separates phrases, which then become rows
+_SPACE_SEPARATED = {"th": re.compile(r"(?<=[\u0e00-\u0e7f])\s+(?=[\u0e00-\u0e7f])"),
+                    "lo": re.compile(r"(?<=[\u0e80-\u0eff])\s+(?=[\u0e80-\u0eff])")}
+
 
 def segmenter_language(language: str | None) -> str:
     """The code sentencex knows `language` by (its ISO 639-1 code where one exists; see
@@ -63,41 +78,38 @@ def sentence_spans(text: str, start: int, end: int,
     measurably misses (tfserve/bench/segmenters.py): abbreviations it lacks, Japanese quotes
     followed by a particle, and Thai's space-separated sentences."""
     code = segmenter_language(language)
-    spans = []
+    spans: list[tuple[int, int]] = []
+    # sentencex is quadratic on some inputs (a long run of paired quotes: 140k characters of
+    # 「...」 take seconds), so a long block goes through it a window at a time: the window's
+    # sentences but the last are kept, and the next window starts at that last one (it may
+    # continue past the window); a window with one sentence is kept whole (a long sentence,
+    # which long_sentences then cuts). Linear, and the same result below WINDOW characters.
     position = start
-    for piece in sentencex.segment(code, text[start:end]):
-        piece_start, piece_end = _strip(text, position, position + len(piece))
-        if piece_end > piece_start:
-            if spans and _continues(text, spans[-1], piece_start, code):
-                spans[-1] = (spans[-1][0], piece_end)
-            else:
-                spans.append((piece_start, piece_end))
-        position += len(piece)
-    if position != end:  # sentencex's pieces cover the block; if they ever do not: one row
-        return [_strip(text, start, end)]
+    while position < end:
+        window_end = min(position + WINDOW, end)
+        pieces = list(sentencex.segment(code, text[position:window_end]))
+        if sum(map(len, pieces)) != window_end - position:
+            pieces = [text[position:window_end]]  # sentencex's pieces cover their input
+        if window_end < end and len(pieces) > 1:
+            pieces.pop()  # may be cut by the window: it starts the next one
+        for piece in pieces:
+            piece_start, piece_end = _strip(text, position, position + len(piece))
+            if piece_end > piece_start:
+                if spans and _continues(text, spans[-1], piece_start, code):
+                    spans[-1] = (spans[-1][0], piece_end)
+                else:
+                    spans.append((piece_start, piece_end))
+            position += len(piece)
     if code in _SPACE_SEPARATED:
         pattern = _SPACE_SEPARATED[code]
         spans = [part for span in spans for part in _space_separated(pattern, text, *span)]
     return spans
 
 
-# abbreviations sentencex's rules lack, measured on the gold set: a break after one is undone
-_ABBREVIATIONS = {
-    "fr": frozenset({"M.", "MM.", "Mme.", "Mlle.", "Mgr.", "Pr.", "cf.", "p.", "St."}),
-    "hi": frozenset({"डॉ.", "श्री.", "सं."}),
-}
-# Japanese: 「...。」と言った - a quote closed and carried on by a particle is one sentence
-_JAPANESE_QUOTE_END = re.compile(r"[」』]$")
-_JAPANESE_PARTICLE = re.compile(r"(?:と|って|とか|など|の|を|が|は)")
-# scripts written without sentence punctuation, where a space between two of its letters
-# ends a sentence (Thai, Lao); the space also separates phrases, which then become rows
-_SPACE_SEPARATED = {"th": re.compile(r"(?<=[\u0e00-\u0e7f])\s+(?=[\u0e00-\u0e7f])"),
-                    "lo": re.compile(r"(?<=[\u0e80-\u0eff])\s+(?=[\u0e80-\u0eff])")}
-
-
 def _continues(text: str, previous: tuple[int, int], start: int, code: str) -> bool:
     """Whether the sentence at `start` continues the one at `previous` (a wrong break)."""
-    before = text[previous[0]:previous[1]]
+    # the previous sentence's last characters only: merges chain ("M. M. M. ...")
+    before = text[max(previous[0], previous[1] - 16):previous[1]]
     words = before.rsplit(None, 1)
     if words and words[-1] in _ABBREVIATIONS.get(code, ()):
         return True
