@@ -198,7 +198,8 @@ def _server_error(error: grpc.RpcError) -> ServerError:
 # headers: a TranslateStream is retried only until its first response (the server sends
 # headers when it has queued the call), never after chunks arrived.
 SERVICE = "tfserve.v1.Translator"
-RETRIED_METHODS = ("Translate", "TranslateStream", "Encode", "GetModelInfo", "ListModels")
+RETRIED_METHODS = ("Translate", "TranslateStream", "Encode", "GetModelInfo", "ListModels",
+                   "Detect")
 # UNAVAILABLE is what a draining replica answers, what the calls in flight on a replica that
 # died get (its connection is gone; through a proxy, the proxy's 502/503 reads as
 # UNAVAILABLE), and what a call gets when no replica is reachable at the moment. CANCELLED
@@ -397,6 +398,15 @@ class Client(_Base):
         described from its files, not loaded)."""
         return self._call(self.stub.GetModelInfo, pb2.GetModelInfoRequest(model=model),
                           timeout)
+
+    def detect(self, texts: Sequence[str], *, timeout: float | None = None,
+               model: str = "") -> list[Any]:
+        """Each text's language: Detection messages (language, confidence, and the
+        model's code for it as model_language), in order."""
+        if isinstance(texts, str):
+            raise ValueError("texts must be a list of strings, not one string")
+        request = pb2.DetectRequest(texts=list(texts), model=model)
+        return list(self._call(self.stub.Detect, request, timeout).detections)
 
     def list_models(self, timeout: float | None = None) -> list[ModelEntry]:
         """Every model of the server's repository, loaded or not."""

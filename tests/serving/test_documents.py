@@ -280,6 +280,17 @@ def test_a_request_over_the_sentences_limit_all_texts_together_is_a_400(
         "request (--max-document-sentences)" in answer["error"]["message"]
 
 
+def test_detect_on_a_model_without_language_codes(server: ServerThread) -> None:
+    status, answer = http_json(server, "POST", "/v1/detect",
+                               {"texts": ["The cat sleeps on the sofa in the sun."]})
+    assert status == 200, answer
+    [detection] = answer["detections"]
+    assert detection["language"] == "en" and "modelLanguage" not in detection
+    status, answer = http_json(server, "POST", "/v1/detect", {"texts": ["x" * 20001]})
+    assert status == 400
+    assert "(--max-document-characters)" in answer["error"]["message"]
+
+
 def test_model_info_shows_the_document_limits(server: ServerThread) -> None:
     status, info = http_json(server, "GET", "/v1/model")
     assert status == 200

@@ -26,6 +26,7 @@ import family_helpers as fh  # noqa: E402
 from server_helpers import ServerThread, free_port, http_json, server_args  # noqa: E402
 
 from export.cli import main as export_main  # noqa: E402
+from tfserve.client import Client  # noqa: E402
 from tfserve.proto import translator_pb2 as pb2  # noqa: E402
 from tfserve.proto import translator_pb2_grpc as pb2_grpc  # noqa: E402
 from tfserve.translator import Translator  # noqa: E402
@@ -107,6 +108,9 @@ def test_detect_gives_iso_code_confidence_and_the_models_code(server: ServerThre
     with grpc.insecure_channel(server.target) as channel:
         reply = pb2_grpc.TranslatorStub(channel).Detect(pb2.DetectRequest(texts=[FRENCH]))
     assert reply.detections[0].model_language == "fra_Latn"
+    with Client(server.target, timeout=120) as client:
+        [detection] = client.detect([ITALIAN])
+    assert (detection.language, detection.model_language) == ("it", "")
     status, answer = http_json(server, "POST", "/v1/detect", {"texts": [FRENCH, "123"]})
     assert status == 400
     assert answer["error"]["message"].startswith("texts[1]: the language of the text cannot")
