@@ -94,6 +94,21 @@ def test_untouched_elements() -> None:
     assert plan.assemble(["Traduire."]).text == document.replace("Do translate.", "Traduire.")
 
 
+@pytest.mark.parametrize(("document", "rows"), [
+    # an untranslated element ends where HTML ends it, not at the end of the page
+    ("<p translate=no>Keep this.<p>Translate this.", ["Translate this."]),
+    ("<ul><li translate=no>Keep.<li>Go.</ul><p>After.</p>", ["Go.", "After."]),
+    ("<div><p translate=no>Keep.</div><p>After.</p>", ["After."]),
+    ("<p translate=no>Keep.<div>Block.</div>", ["Block."]),
+    ("<div translate=no>Keep <div>nested.</div> still.</div>Out.", ["Out."]),
+])
+def test_untranslated_elements_end_where_html_ends_them(document: str,
+                                                        rows: list[str]) -> None:
+    plan = plan_document(document, format="html")
+    assert plan.rows == rows
+    assert plan.assemble(plan.rows).text == document
+
+
 def test_inline_code_and_translate_no_come_back_as_they_were() -> None:
     document = "<p>Run <code>ls -l</code> now, with <span translate=no>Acme</span>.</p>"
     plan = plan_document(document, format="html")

@@ -48,6 +48,9 @@ section select summary table tbody td tfoot th thead title tr ul video audio can
 OPAQUE_BLOCKS = frozenset("script style pre textarea template svg math".split())
 # inline elements left untouched with everything inside them, inside a sentence
 OPAQUE_INLINE = frozenset("code kbd samp var".split())
+# elements whose end tag HTML lets out: the next of their kind closes them
+_OPTIONAL_END = frozenset("p li dt dd td th tr option optgroup thead tbody tfoot caption "
+                          "colgroup rt rp".split())
 VOID_ELEMENTS = frozenset(
     "area base br col embed hr img input link meta param source track wbr".split())
 _ENTITY = re.compile(r"&(?:#[0-9]+;?|#[xX][0-9a-fA-F]+;?|[A-Za-z][A-Za-z0-9]*;?)")
@@ -195,7 +198,11 @@ class _Tokens(HTMLParser):
     """The source spans of a document's tokens (ends filled in from the next start)."""
 
     def __init__(self, document: str) -> None:
-        super().__init__(convert_charrefs=False)
+        # convert_charrefs=True: text comes as data events whatever its entities (the
+        # entities are decoded from the source by _characters); with False, an incomplete
+        # "&#" near the end makes the parser take the rest of the document, tags included,
+        # as text
+        super().__init__(convert_charrefs=True)
         self.document = document
         self.line_starts = [0] + [m.end() for m in re.finditer("\n", document)]
         self.tokens: list[_Token] = []
@@ -220,12 +227,6 @@ class _Tokens(HTMLParser):
         self._add("end", tag)
 
     def handle_data(self, data: str) -> None:
-        self._add("text")
-
-    def handle_entityref(self, name: str) -> None:
-        self._add("text")
-
-    def handle_charref(self, name: str) -> None:
         self._add("text")
 
     def handle_comment(self, data: str) -> None:
@@ -339,20 +340,33 @@ def html_rows(document: str, language: str | None, split_sentences: bool,
 
 
 def _matching_end(tokens: list[_Token], index: int) -> int:
-    """The index of the end tag that closes the element started at `index` (counting nested
-    elements of the same name); the last token when it is never closed."""
+    """The index of the last token of the element started at `index`: its end tag
+    (counting nested elements of its name); else the token before the end tag of an element
+    opened outside it (a parent's: HTML closes the element there), or, for an element whose
+    end tag HTML lets out (p, li, td, ...), before the next start tag of its name (or, for
+    p, of a block); the last token when none comes."""
     name = tokens[index].name
     depth = 0
+    inner: dict[str, int] = {}  # elements opened inside and not yet closed, by name
     for at in range(index + 1, len(tokens)):
         token = tokens[at]
-        if token.name != name:
-            continue
-        if token.kind == "start":
-            depth += 1
+        if token.kind == "start" and token.name not in VOID_ELEMENTS:
+            if name in _OPTIONAL_END and depth == 0 and (
+                    token.name == name or name == "p" and token.name in BLOCK_ELEMENTS):
+                return at - 1
+            if token.name == name:
+                depth += 1
+            else:
+                inner[token.name] = inner.get(token.name, 0) + 1
         elif token.kind == "end":
-            if depth == 0:
-                return at
-            depth -= 1
+            if token.name == name:
+                if depth == 0:
+                    return at
+                depth -= 1
+            elif inner.get(token.name):
+                inner[token.name] -= 1
+            elif token.name not in VOID_ELEMENTS:
+                return at - 1  # closes an element opened before this one
     return len(tokens) - 1
 
 
