@@ -208,14 +208,25 @@ def test_a_huge_text_is_refused_by_its_length_without_tokenizing(
     monkeypatch.setattr(tokenizer, "encode_text", lambda text: seen.append(len(text)) or
                         real_encode(text))
     huge = "seven " * 1_000_000  # 6 MB
+    # a document (split_sentences, the default) over --max-document-characters is refused
+    # before it is split or tokenized
     payload = pb2.TranslateRequest(texts=["seven", huge]).SerializeToString()
+    code, details, _ = raw_call(server.target, TRANSLATE, payload)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("texts[1] is 6000000 characters, over the limit of 1000000 "
+                              "characters per document")
+    assert all(length < 10_000 for length in seen)
+    # one sequence (split_sentences false): refused by the source limit's characters
+    payload = pb2.TranslateRequest(texts=["seven", huge],
+                                   split_sentences=False).SerializeToString()
     code, details, _ = raw_call(server.target, TRANSLATE, payload)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details.startswith("texts[1] is 6000000 characters, over the limit of 8192")
     assert all(length < 10_000 for length in seen)
     # truncate=true cuts it before the tokenizer sees it, and translates
-    payload = pb2.TranslateRequest(texts=[huge], truncate=True, options=pb2.DecodingOptions(
-        max_new_tokens=3)).SerializeToString()
+    payload = pb2.TranslateRequest(texts=[huge], truncate=True, split_sentences=False,
+                                   options=pb2.DecodingOptions(
+                                       max_new_tokens=3)).SerializeToString()
     code, details, _ = raw_call(server.target, TRANSLATE, payload)
     assert code == grpc.StatusCode.OK, details
     assert max(seen) <= 8192
@@ -593,8 +604,14 @@ def test_large_requests_are_tokenized_off_the_event_loop(
 
     monkeypatch.setattr(tokenizer, "encode_text", encode)
     with Client(server.target, timeout=60) as client:
-        client.translate(["seven"], max_new_tokens=1)
-        client.translate(["seven " * 900], max_new_tokens=1, truncate=True)  # 5400 characters
-    (small, small_thread), (large, large_thread) = threads
-    assert small == 5 and small_thread == "test-server"  # inline: cheaper than a hand-off
-    assert large == 5400 and large_thread != "test-server"
+        # each text one sequence (split_sentences false): one tokenization each
+        client.translate(["seven"], max_new_tokens=1, split_sentences=False)
+        client.translate(["seven " * 900], max_new_tokens=1, truncate=True,  # 5400 characters
+                         split_sentences=False)
+        (small, small_thread), (large, large_thread) = threads
+        assert small == 5 and small_thread == "test-server"  # inline: cheaper than a hand-off
+        assert large == 5400 and large_thread != "test-server"
+        # a large document is split and tokenized off the event loop too
+        threads.clear()
+        client.translate(["seven. " * 800], max_new_tokens=1)
+    assert threads and all(thread != "test-server" for _, thread in threads)
