@@ -65,11 +65,12 @@ CANDIDATES: dict[str, tuple[str | None, Callable[[], Segmenter]]] = {
 def installed(distribution: str) -> tuple[str, float, str]:
     """A distribution's version, installed size in MB and licence."""
     dist = importlib.metadata.distribution(distribution)
-    size = sum(os.path.getsize(path) for path in (dist.locate_file(f) for f in dist.files or [])
-               if os.path.isfile(path))
-    licence = (dist.metadata.get("License-Expression") or dist.metadata.get("License") or "")
+    paths = [str(dist.locate_file(file)) for file in dist.files or []]
+    size = sum(os.path.getsize(path) for path in paths if os.path.isfile(path))
+    metadata = dist.metadata
+    licence = metadata["License-Expression"] or metadata["License"] or ""
     if not licence or len(licence) > 20:
-        classifiers = [c.rsplit(" :: ", 1)[-1] for c in dist.metadata.get_all("Classifier") or []
+        classifiers = [c.rsplit(" :: ", 1)[-1] for c in metadata.get_all("Classifier") or []
                        if c.startswith("License ::")]
         licence = classifiers[0] if classifiers else "?"
     return dist.version, size / 1e6, licence
