@@ -16,6 +16,8 @@ from exported import demo_trained
 from tfserve.demo import CHECKPOINT_DIR
 from tfserve.demo.data import (
     HYPHEN_SPACE_RATE,
+    SENTENCE_ENDS,
+    SENTENCE_FORMS,
     SOURCE_FORMS,
     english,
     french,
@@ -23,6 +25,7 @@ from tfserve.demo.data import (
     no_and,
     no_commas,
     no_hyphens,
+    sentence_pair,
     tokenizer_corpus,
     training_pairs,
     vary_source,
@@ -51,6 +54,18 @@ EXAMPLES = [
      "quatre-vingt-dix-neuf mille neuf cent quatre-vingt-dix-neuf"),
     ("five hundred twelve thousand three hundred eighty",
      "cinq cent douze mille trois cent quatre-vingts"),
+]
+
+# one sentence of a pasted paragraph each (the server splits a text into sentences), and the
+# exact French: sentence-cased, a space before '!' and '?'
+SENTENCE_EXAMPLES = [
+    ("Seven.", "Sept."),  # the README's examples
+    ("Three hundred and forty-two!", "Trois cent quarante-deux !"),
+    ("Seven?", "Sept ?"),
+    ("Twenty one", "Vingt et un"),
+    ("Eighty.", "Quatre-vingts."),
+    ("Zero!", "Zéro !"),
+    ("One thousand, two hundred and thirty-four?", "Mille deux cent trente-quatre ?"),
 ]
 
 
@@ -117,12 +132,48 @@ def test_hyphen_rate_zero_draws_as_before() -> None:
     assert not any(SPACED_TENS.search(line) for line in english_lines)
 
 
+def test_sentence_pairs() -> None:
+    assert [sentence_pair("seven", "sept", end) for end in SENTENCE_ENDS] == [
+        ("Seven", "Sept"), ("Seven.", "Sept."), ("Seven!", "Sept !"), ("Seven?", "Sept ?")]
+    assert {form: pair(english(80), french(80)) for form, pair in SENTENCE_FORMS.items()} == {
+        "sentence": ("Eighty", "Quatre-vingts"),
+        "sentence.": ("Eighty.", "Quatre-vingts."),
+        "sentence!": ("Eighty!", "Quatre-vingts !"),
+        "sentence?": ("Eighty?", "Quatre-vingts ?"),
+    }
+    # training writes about half its pairs as sentences, with each end, and the rest as before
+    pairs = training_pairs(seed=0, sentence_rate=0.5)
+    drawn = [next(pairs) for _ in range(2000)]
+    sentences = [(en, fr) for en, fr in drawn if en[0].isupper()]
+    assert abs(len(sentences) / len(drawn) - 0.5) < 0.05
+    assert {en[-1] for en, _ in sentences if not en[-1].isalpha()} == {".", "!", "?"}
+    assert all(fr[0].isupper() and fr.endswith((" !", " ?", ".")) == (en[-1] in ".!?")
+               for en, fr in sentences)
+    assert all(en == en.lower() and fr == fr.lower() for en, fr in drawn if not en[0].isupper())
+
+
 def test_vocabulary_covers_every_form(tokenizer: Tokenizer) -> None:
     assert tokenizer.vocab_size == 111
     unk = tokenizer.unk_id
     for n in held_out_numbers()[:300]:
         for write in SOURCE_FORMS.values():
             assert unk not in tokenizer.encode(write(english(n))), write(english(n))
+        for pair in SENTENCE_FORMS.values():
+            for text in pair(english(n), french(n)):
+                assert unk not in tokenizer.encode(text), text
+
+
+def test_capitals_are_a_mark_before_the_lower_case_pieces(tokenizer: Tokenizer) -> None:
+    """'Seven.' is the case mark, seven's own pieces and '.'; the decoder side turns the mark
+    back into a capital, and a mark with nothing after it yet (mid-stream) into nothing."""
+    mark = [4, 88]  # "▁", "⇧"
+    assert tokenizer.encode("Seven.") == mark + tokenizer.encode_text("seven") + [94, 1]
+    assert [tokenizer.id_to_token(i) for i in (88, 94, 95, 98)] == ["\u21e7", ".", "!", "?"]
+    target = tokenizer.encode_target("Trois cent quarante-deux !")
+    assert target[:2] == mark
+    assert target[2:-3] == tokenizer.encode_target("trois cent quarante-deux")[:-1]
+    assert tokenizer.decode(target) == "Trois cent quarante-deux !"
+    assert [tokenizer.decode(target[:k]) for k in (1, 2, 3)] == ["", "", "Trois"]
 
 
 # -- the trained checkpoint --------------------------------------------------------------------
@@ -132,6 +183,13 @@ def test_vocabulary_covers_every_form(tokenizer: Tokenizer) -> None:
 def test_demo_translates_what_people_type(translator: Translator) -> None:
     sources = [en for en, _ in EXAMPLES]
     assert translator.translate(sources) == [fr for _, fr in EXAMPLES]
+
+
+@trained
+def test_demo_translates_sentences(translator: Translator) -> None:
+    sources = [en for en, _ in SENTENCE_EXAMPLES] + ["three hundred and forty-two"]
+    expected = [fr for _, fr in SENTENCE_EXAMPLES] + ["trois cent quarante-deux"]
+    assert translator.translate(sources) == expected
 
 
 def test_examples_are_num2words_french() -> None:
@@ -146,6 +204,6 @@ def test_evaluate_scores_each_form(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["--limit", "40"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    for form in SOURCE_FORMS:
+    for form in [*SOURCE_FORMS, *SENTENCE_FORMS]:
         assert any(line.startswith(f"eager: {form}: greedy exact match 100.00% on 40 ")
                    for line in lines), lines

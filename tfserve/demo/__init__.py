@@ -30,11 +30,12 @@ def cache_root() -> Path:
 
 
 def checkpoint_digest() -> str:
-    """Names the cached export: the checkpoint's files and the graph revision that made it."""
+    """Names the cached export: the checkpoint's files (the tokenizer's too: the export copies
+    them) and the graph revision that made it."""
     from tfserve.artifacts.manifest import GRAPH_REVISION
 
     digest = hashlib.sha256(f"graphs-{GRAPH_REVISION}".encode())
-    for name in ("config.json", "model.safetensors"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "source.spm"):
         digest.update((CHECKPOINT_DIR / name).read_bytes())
     return digest.hexdigest()[:12]
 

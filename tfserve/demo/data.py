@@ -4,6 +4,12 @@ The held-out evaluation set is a fixed sample of 1,000 numbers that training nev
 Sources get light variety (commas and "and" dropped, hyphens typed as spaces, each at
 random), since people type numbers all these ways; targets are always num2words' French.
 `SOURCE_FORMS` names the forms the evaluation scores separately.
+
+A pasted paragraph reaches the model one sentence at a time, so training also writes some
+pairs as sentences: sentence-cased, with or without a closing '.', '!' or '?' ("Three
+hundred and forty-two!" -> "Trois cent quarante-deux !": French puts a space before '!',
+'?', ';' and ':'; a plain space, not the narrow no-break one). `SENTENCE_FORMS` names those
+the evaluation scores.
 """
 
 from __future__ import annotations
@@ -89,6 +95,34 @@ def vary_source(text: str, rng: random.Random, hyphen_rate: float = HYPHEN_SPACE
     return text
 
 
+# how often training writes a pair as a sentence (sentence_pair), and the marks that close one
+SENTENCE_RATE = 0.5
+SENTENCE_ENDS = ("", ".", "!", "?")
+# French writes a space before these: "Sept ?"
+SPACED_MARKS = "!?;:"
+
+
+def sentence_case(text: str) -> str:
+    """'three hundred' -> 'Three hundred' (the first letter only: 'Quatre-vingts')."""
+    return text[:1].upper() + text[1:]
+
+
+def sentence_pair(english_text: str, french_text: str, end: str) -> tuple[str, str]:
+    """The pair as a sentence closed by `end` (one of SENTENCE_ENDS):
+    ('seven', 'sept', '?') -> ('Seven?', 'Sept ?')."""
+    french_end = f" {end}" if end and end in SPACED_MARKS else end
+    return sentence_case(english_text) + end, sentence_case(french_text) + french_end
+
+
+# the sentence forms the evaluation scores, each on num2words' English
+SENTENCE_FORMS: dict[str, Callable[[str, str], tuple[str, str]]] = {
+    "sentence": lambda en, fr: sentence_pair(en, fr, ""),
+    "sentence.": lambda en, fr: sentence_pair(en, fr, "."),
+    "sentence!": lambda en, fr: sentence_pair(en, fr, "!"),
+    "sentence?": lambda en, fr: sentence_pair(en, fr, "?"),
+}
+
+
 def sample_number(rng: random.Random) -> int:
     """Half uniform (like the held-out set), half uniform over digit counts (small numbers)."""
     if rng.random() < 0.5:
@@ -98,24 +132,33 @@ def sample_number(rng: random.Random) -> int:
 
 
 def training_pairs(
-    seed: int, hyphen_rate: float = HYPHEN_SPACE_RATE
+    seed: int, hyphen_rate: float = HYPHEN_SPACE_RATE, sentence_rate: float = 0.0
 ) -> Iterator[tuple[str, str]]:
-    """An endless stream of (english, french) pairs, held-out numbers excluded."""
+    """An endless stream of (english, french) pairs, held-out numbers excluded; a fraction
+    sentence_rate of them written as sentences (sentence_pair, each end alike).
+
+    The sentence draws come after vary_source's and only when sentence_rate > 0, so the
+    default stream is the one the tests and tokenizer_corpus have always drawn.
+    """
     rng = random.Random(seed)
     excluded = set(held_out_numbers())
     while True:
         n = sample_number(rng)
         if n in excluded:
             continue
-        yield vary_source(english(n), rng, hyphen_rate), french(n)
+        pair = vary_source(english(n), rng, hyphen_rate), french(n)
+        if sentence_rate > 0 and rng.random() < sentence_rate:
+            pair = sentence_pair(*pair, rng.choice(SENTENCE_ENDS))
+        yield pair
 
 
 def tokenizer_corpus(count: int, seed: int) -> list[str]:
     """Lines of both languages for training the shared SentencePiece model.
 
     Hyphens stay as num2words writes them here: this is the corpus the bundled 111-piece
-    vocabulary was trained on, so train.py reproduces it byte for byte. The spaced forms
-    need no new pieces: 'twenty one' is made of words the corpus has on their own.
+    vocabulary was trained on (with an earlier SentencePiece: 0.2.2 trains 132 pieces from
+    it, so train.py keeps the bundled vocabulary instead). The spaced forms need no new
+    pieces: 'twenty one' is made of words the corpus has on their own.
     """
     lines: list[str] = []
     for n in range(0, 101):
