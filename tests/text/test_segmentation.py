@@ -108,3 +108,11 @@ def test_inputs_sentencex_is_quadratic_on_stay_fast() -> None:
     assert time.perf_counter() - started < 10  # seconds, on a busy 2-core machine
     # each quote is carried on by と: one sentence (long_sentences cuts it for the model)
     assert spans == [(0, len(text))]
+
+
+@pytest.mark.parametrize("code", ["auto", "xx_YY", "../..", "\x00", "a" * 1000, "__", ">><<",
+                                  "und", "ZH"])
+def test_any_language_string_is_accepted(code: str) -> None:
+    text = "Hello there. Second one."
+    assert [text[a:b] for a, b in sentence_spans(text, 0, len(text), code)] == \
+        ["Hello there.", "Second one."]
