@@ -11,7 +11,11 @@ The bundled checkpoint is the lower-case one of commit 27fa71c (800 steps from r
 weights, no sentences) fine-tuned on the mixed stream:
 
     git show 27fa71c:tfserve/demo/checkpoint/model.safetensors > /tmp/lower-case.safetensors
-    python -m tfserve.demo.train --init /tmp/lower-case.safetensors STEPS_PLACEHOLDER
+    python -m tfserve.demo.train --init /tmp/lower-case.safetensors --steps 400 \\
+        --warmup 40 --lr 5e-4 --batch-size 64 --threads 1
+
+(about 4 minutes on one busy core; 100% held-out exact match in every form of
+data.SOURCE_FORMS and data.SENTENCE_FORMS).
 
 Progress is judged by teacher-forced exact match on the held-out numbers: when the argmax at
 every target position equals the reference, greedy decoding produces exactly the reference,
