@@ -254,3 +254,14 @@ def test_well_formed_input_gives_well_formed_output(words: list[str],
     out = plan.assemble([" ".join(target)] * len(plan.rows)).text
     assert tags(out).well_formed
     assert sorted(tags(out).tags) == sorted(tags(document).tags)
+
+
+def test_segments_point_at_each_rendered_row() -> None:
+    document = "<h1>Title</h1><p>Hello <b>big</b> world. Bye.</p>"
+    plan = plan_document(document, format="html")
+    assembled = plan.assemble(["Titre", "Bonjour grand monde.", "Salut."])
+    spans = [(s.source_start, s.source_end) for s in assembled.segments]
+    assert spans == plan.source_spans
+    assert [document[a:b] for a, b in spans] == ["Title", "Hello <b>big</b> world.", "Bye."]
+    assert [assembled.text[s.target_start:s.target_end] for s in assembled.segments] == \
+        ["Titre", "Bonjour <b>grand</b> monde.", "Salut."]
