@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tfserve.text.documents import plan_document
+from tfserve.text.documents import DocumentLimits, plan_document
 from tfserve.text.html_document import VOID_ELEMENTS
 
 
@@ -265,3 +265,11 @@ def test_segments_point_at_each_rendered_row() -> None:
     assert [document[a:b] for a, b in spans] == ["Title", "Hello <b>big</b> world.", "Bye."]
     assert [assembled.text[s.target_start:s.target_end] for s in assembled.segments] == \
         ["Titre", "Bonjour <b>grand</b> monde.", "Salut."]
+
+
+def test_too_many_rows_stop_the_plan_early() -> None:
+    with pytest.raises(ValueError, match="more than 3 sentences"):
+        plan_document("<p>a</p>" * 10_000, format="html",
+                      limits=DocumentLimits(max_sentences=3))
+    assert len(plan_document("<p>a</p>" * 3, format="html",
+                             limits=DocumentLimits(max_sentences=3)).rows) == 3

@@ -144,7 +144,7 @@ def plan_document(text: str, *, format: str = "text", language: str | None = Non
     rows: list[str] = []
     spans: list[tuple[int, int]] = []
     if format == "html":
-        html = html_rows(text, language, split_sentences, pieces)
+        html = html_rows(text, language, split_sentences, pieces, limits.max_sentences)
         rows = [row.text for row in html]
         spans = [row.span for row in html]
         markup = [row.markup for row in html]

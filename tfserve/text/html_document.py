@@ -294,9 +294,10 @@ Pieces = Callable[[str, int, int], list[tuple[int, int]]]
 
 
 def html_rows(document: str, language: str | None, split_sentences: bool,
-              pieces: Pieces) -> list[HtmlRow]:
+              pieces: Pieces, max_rows: int | None = None) -> list[HtmlRow]:
     """The rows of an HTML document, in order; `pieces(text, start, end)` cuts a sentence
-    text[start:end] that is too long for the model into pieces (documents.plan_document)."""
+    text[start:end] that is too long for the model into pieces (documents.plan_document).
+    Past `max_rows` rows it stops early, returning the rows so far (more than max_rows)."""
     tokens = tokenize(document)
     rows: list[HtmlRow] = []
     block: list[_Item] = []
@@ -320,11 +321,15 @@ def html_rows(document: str, language: str | None, split_sentences: bool,
             else:
                 rows += _block_rows(block, language, split_sentences, pieces)
                 block = []
+                if max_rows is not None and len(rows) > max_rows:
+                    return rows
             index = last + 1
             continue
         elif name in BLOCK_ELEMENTS:
             rows += _block_rows(block, language, split_sentences, pieces)
             block = []
+            if max_rows is not None and len(rows) > max_rows:
+                return rows
         elif token.kind == "start" and name not in VOID_ELEMENTS:
             block.append(_Item("start", token.start, token.end, name,
                                raw=document[token.start:token.end]))
