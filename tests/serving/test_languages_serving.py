@@ -483,7 +483,9 @@ def test_the_playground_offers_the_models_languages(server: ServerThread, client
         page.wait_rows(len(TEXTS))
         expected = client.translate(TEXTS, model="nllb-beams3", target_language="deu_Latn",
                                     num_beams=1, max_new_tokens=12)
-        assert [page.translation(i) for i in range(len(TEXTS))] == expected
+        # the text WebDriver reads is trimmed; a text of two sentences whose first one
+        # translates to nothing begins with the layout between them (documents: issue 36)
+        assert [page.translation(i) for i in range(len(TEXTS))] == [t.strip() for t in expected]
         assert expected != client.translate(TEXTS, model="nllb-beams3",
                                             target_language="deu_Latn", max_new_tokens=12)
         assert page.attribute("row-0", "innerHTML").count('lang="deu-Latn"') == 1
