@@ -93,12 +93,16 @@ def copy_source_tree(dest: Path) -> Path:
 
 def build_backend(call: str, source: Path, out: Path, python: Path) -> Path:
     """setuptools.build_meta.<call>(out) in source, run by python (a build environment's).
-    Every warning is an error (-W error): setuptools announces a configuration it will stop
-    accepting (a TOML-table `project.license`, say) with a deprecation warning, months before
-    the build breaks, and the build should fail on the day of the warning instead."""
+    Every warning is an error: setuptools announces a configuration it will stop accepting (a
+    TOML-table `project.license`, say) with a deprecation warning, months before the build
+    breaks, and the build should fail on the day of the warning instead. Only setuptools'
+    InformationOnly notices (an editable install's "meta path finder" note) are let through."""
     out.mkdir(parents=True, exist_ok=True)
-    done = run([python, "-W", "error", "-c",
-                "import sys; from setuptools import build_meta; "
+    done = run([python, "-c",
+                "import sys, warnings; warnings.simplefilter('error'); "
+                "from setuptools.warnings import InformationOnly; "
+                "warnings.simplefilter('ignore', InformationOnly); "
+                "from setuptools import build_meta; "
                 f"print(build_meta.{call}(sys.argv[1]))", out], cwd=source)
     return out / done.stdout.strip().splitlines()[-1]
 
