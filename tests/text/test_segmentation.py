@@ -57,6 +57,24 @@ def test_blocks_are_lines_without_their_layout() -> None:
                       "paren", "Heading", "quote", "3.14 is pi", "Year", "Tabbed", "form feed"]
 
 
+@pytest.mark.parametrize(("text", "blocks"), [
+    # a hard-wrapped sentence: the next line goes on in lower case
+    ("The rain stopped and\nthe kids ran out.", ["The rain stopped and\nthe kids ran out."]),
+    ("one, two,\r\n  three", ["one, two,\r\n  three"]),
+    ("A list item that\n  wraps on.\n- next", ["A list item that\n  wraps on.", "next"]),
+    # not a continuation: a sentence's end, a capital, a list marker, a blank line, a form feed
+    ("It ended.\nthen more", ["It ended.", "then more"]),
+    ("Title\nBody text", ["Title", "Body text"]),
+    ("item one\n- item two", ["item one", "item two"]),
+    ("para one\n\npara two", ["para one", "para two"]),
+    ("page one\x0cpage two", ["page one", "page two"]),
+    ("你好\n世界", ["你好", "世界"]),  # no case: never joined
+])
+def test_hard_wrapped_lines_join_only_where_the_sentence_goes_on(text: str,
+                                                                 blocks: list[str]) -> None:
+    assert [text[a:b] for a, b in block_spans(text)] == blocks
+
+
 def test_unknown_language_codes_use_the_default_rules() -> None:
     text = "Hello there. General Kenobi."
     assert sentence_spans(text, 0, len(text), "qq") == sentence_spans(text, 0, len(text), None)

@@ -314,8 +314,11 @@ def html_rows(document: str, language: str | None, split_sentences: bool,
             last = _matching_end(tokens, index)
             inline = name not in OPAQUE_BLOCKS and name not in BLOCK_ELEMENTS
             if inline:
+                # its text: up to its end tag, or through its last token where HTML ends it
+                closed = tokens[last].kind == "end" and tokens[last].name == name
+                inner = tokens[index + 1:last if closed else last + 1]
                 visible = "".join(_characters(document, t.start, t.end)[0]
-                                  for t in tokens[index + 1:last] if t.kind == "text")
+                                  for t in inner if t.kind == "text")
                 block.append(_Item("opaque", token.start, tokens[last].end, name, text=visible,
                                    raw=document[token.start:tokens[last].end]))
             else:

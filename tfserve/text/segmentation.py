@@ -6,8 +6,9 @@ characters. This module only finds the sentences, as [start, end) character span
 text; whatever lies between two spans is layout and is kept byte for byte by the caller.
 
 - A block is one line: a line break (any of str.splitlines' separators) or another control
-  character ends it, as DeepL's default does. A hard-wrapped paragraph is therefore
-  translated line by line (docs/documents.md says so).
+  character ends it, as DeepL's default does; except that a hard-wrapped sentence stays one
+  block: a line going on in lower case after one line break continues the line before it,
+  when that one does not end a sentence (docs/documents.md).
 - A list marker or a Markdown heading/quote mark at the start of a line is layout, not text.
 - Inside a block, sentences come from `sentencex` (Wikimedia's rule-based segmenter: about
   300 languages, each with its abbreviation list, falling back through related languages to
@@ -34,6 +35,8 @@ _BLOCK_BREAK = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]+")
 _LINE_PREFIX = re.compile(
     r"[ \t]*(?:(?:[-*+\u2022\u2023\u25e6\u2043\u2219\u00b7]|\d{1,9}[.)]|#{1,6}|>+)[ \t]+)*")
 
+# what a hard-wrapped line may end with when the next line continues its sentence
+_CONTINUING = frozenset(",-\u2010\u2013\u2014\u3001\uff0c")
 WINDOW = 8192  # characters of a block given to sentencex at once
 
 # abbreviations sentencex's rules lack, measured on the gold set: a break after one is undone
@@ -58,17 +61,45 @@ def segmenter_language(language: str | None) -> str:
 
 def block_spans(text: str, start: int = 0, end: int | None = None) -> Iterator[tuple[int, int]]:
     """The [start, end) spans of the blocks of text[start:end]: each line without its
-    layout prefix (indentation, list marker) and trailing whitespace; empty ones left out."""
+    layout prefix (indentation, list marker) and trailing whitespace; empty ones left out.
+    A hard-wrapped sentence is one block: a line that goes on, after a single line break and
+    indentation only, with a lower-case letter continues the line before it when that one
+    ends in a letter, digit, comma or dash (not a sentence's end)."""
     end = len(text) if end is None else end
     position = start
+    pending: tuple[int, int] | None = None  # the last block, which the next line may continue
+    single_break = False  # whether one "\n" or "\r\n" alone ended the pending block's line
     while position < end:
         brk = _BLOCK_BREAK.search(text, position, end)
         line_end = brk.start() if brk else end
         prefix = _LINE_PREFIX.match(text, position, line_end)
-        block_start, block_end = _strip(text, prefix.end() if prefix else position, line_end)
+        prefix_end = prefix.end() if prefix else position
+        block_start, block_end = _strip(text, prefix_end, line_end)
         if block_end > block_start:
-            yield block_start, block_end
+            if pending is not None and single_break and _continues_line(
+                    text, pending[1], position, prefix_end, block_start):
+                pending = (pending[0], block_end)
+            else:
+                if pending is not None:
+                    yield pending
+                pending = (block_start, block_end)
+            single_break = bool(brk) and brk.group() in ("\n", "\r\n")
+        else:
+            single_break = False
         position = brk.end() if brk else end
+    if pending is not None:
+        yield pending
+
+
+def _continues_line(text: str, previous_end: int, line_start: int, prefix_end: int,
+                    block_start: int) -> bool:
+    """Whether a line (from line_start; its text at block_start) continues the block that
+    ends at previous_end: indentation only before it (no list marker), a lower-case start,
+    and no sentence end before it."""
+    if text[line_start:prefix_end].strip(" \t") or not text[block_start].islower():
+        return False
+    last = text[previous_end - 1]
+    return last.isalnum() or last in _CONTINUING
 
 
 def sentence_spans(text: str, start: int, end: int,
