@@ -1,0 +1,121 @@
+"""The job on a real multi-node Ray cluster on this machine (ray.cluster_utils.Cluster: a head
+and two worker nodes, each with resources of its own): two actors translate a corpus, a worker
+node is killed in the middle (once an actor has translated a batch: a state, not a time), its
+actor is restarted on the head, and the output is still complete, in order, and equal to
+the one-machine output; then the CLI form (`translate --ray ADDRESS`) on the same cluster.
+
+Slow (Ray's processes start in tens of seconds on a small machine): `-m slow` runs it."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import number_phrases
+from test_file_job import expected, run_cli
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.data")
+
+pytestmark = pytest.mark.slow
+
+ACTOR_RESOURCE = "tfserve_translator"  # only the worker nodes have it: the actors live there
+
+
+def gated_class(gate: Path, markers: Path) -> type:
+    """TranslateBatch whose actors each translate one batch, leave a marker file, and wait
+    for `gate` (a file) before any other: the job cannot finish before the test has killed a
+    node, and the test kills it once a marker shows the job under way (states, polled)."""
+    from tfserve.bulk.ray_job import TranslateBatch
+
+    class GatedTranslateBatch(TranslateBatch):
+        def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+            if getattr(self, "_first_done", False):
+                while not gate.exists():
+                    time.sleep(0.01)
+            out = super().__call__(batch)
+            self._first_done = True
+            node = ray.get_runtime_context().get_node_id()
+            (markers / f"{node}-{os.getpid()}-{time.monotonic_ns()}").touch()
+            return out
+
+    return GatedTranslateBatch
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    from ray.cluster_utils import Cluster
+
+    # the head has room for one actor too: where the killed node's actor is restarted
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 1, "resources": {ACTOR_RESOURCE: 1}})
+    workers = [cluster.add_node(num_cpus=1, resources={ACTOR_RESOURCE: 1}) for _ in range(2)]
+    ray.init(address=cluster.address, log_to_driver=False, include_dashboard=False)
+    cluster.workers = workers
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_a_killed_worker_node_loses_no_line(cluster: Any, tmp_path: Path, demo_model: Path,
+                                            demo_translator: Any) -> None:
+    from tfserve.bulk.progress import Counts
+    from tfserve.bulk.ray_job import read_dataset, write_ordered
+
+    lines = number_phrases(24, seed=11)
+    source, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    source.write_text("\n".join(lines) + "\n")
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    gate, markers = tmp_path / "gate", tmp_path / "markers"
+    markers.mkdir()
+    dataset = read_dataset(str(source), "lines", blocks=6).map_batches(
+        gated_class(gate, markers), batch_size=4, batch_format="numpy",
+        fn_constructor_kwargs={"model": str(demo_model), "threads": 1},
+        concurrency=2, num_cpus=0.5, resources={ACTOR_RESOURCE: 1},
+        max_restarts=-1, max_task_retries=-1)
+    killed: list[int] = []
+
+    def kill_a_node() -> None:
+        workers = {node.node_id: node for node in cluster.workers}
+        while True:  # a batch translated on a worker node: the job is under way there
+            done = [marker.name.split("-")[0] for marker in markers.iterdir()]
+            busy = [node_id for node_id in done if node_id in workers]
+            if busy:
+                break
+            time.sleep(0.01)
+        killed.append(len(done))
+        cluster.remove_node(workers[busy[0]], allow_graceful=False)
+        gate.touch()  # let the actors go on (the lost one restarts on the head)
+
+    killer = threading.Thread(target=kill_a_node, daemon=True)
+    killer.start()
+    counts = Counts()
+    write_ordered(dataset, str(out), "lines", "text", "translation", "", counts)
+    killer.join()
+    assert killed and killed[0] < len(lines) // 4  # batches done when the node died
+    assert out.read_text().splitlines() == expected(demo_translator, lines)
+    assert counts.lines == len(lines)
+
+
+def test_translate_dash_dash_ray(cluster: Any, tmp_path: Path, demo_model: Path,
+                                 demo_translator: Any, capsys: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    lines = number_phrases(20, seed=12)
+    source, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    source.write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(sys, "argv", ["tfserve"])
+    code, err = run_cli(capsys, ["--ray", cluster.address, "--model", str(demo_model),
+                                 "--input", str(source), "--output", str(out), "--threads", "1",
+                                 "--ray-cpus", "0.5", "--read-buffer", "5",
+                                 "--progress", "log"])
+    assert code == 0, err
+    assert out.read_text().splitlines() == expected(demo_translator, lines)
+    assert f"done: {len(lines)} lines" in err
