@@ -83,7 +83,7 @@ def block_spans(text: str, start: int = 0, end: int | None = None) -> Iterator[t
                 if pending is not None:
                     yield pending
                 pending = (block_start, block_end)
-            single_break = bool(brk) and brk.group() in ("\n", "\r\n")
+            single_break = brk is not None and brk.group() in ("\n", "\r\n")
         else:
             single_break = False
         position = brk.end() if brk else end
