@@ -162,6 +162,10 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
         else:
             translated.write_parquet(args.output)
     else:
+        from tfserve.bulk.journal import Journal
+
+        # the file is rewritten whole: a one-machine job's journal beside it no longer holds
+        Journal(args.output).path.unlink(missing_ok=True)
         write_ordered(translated, args.output, out_format, field, args.output_field,
                       args.skip_marker, counts)
     seconds = time.monotonic() - started
