@@ -49,14 +49,14 @@ PROG = "python -m tfserve.bench.bulk"
 ENGINES = ("memory", "file", "ct2", "server")
 
 
-def corpus(path: Path, lines: int, seed: int = 5) -> None:
-    """`lines` generated sentences of 3 to 60 words (mixed lengths), with a blank line now
-    and then, as a corpus has."""
+def corpus(path: Path, lines: int, seed: int = 5, most_words: int = 60) -> None:
+    """`lines` generated sentences of 3 to `most_words` words (mixed lengths), with a blank
+    line now and then, as a corpus has."""
     from tfserve.bench.models import pseudo_sentences, pseudo_words
 
     words = pseudo_words(3000, seed=0)
     rng = random.Random(seed)
-    texts = pseudo_sentences(words, lines, seed, low=3, high=60)
+    texts = pseudo_sentences(words, lines, seed, low=3, high=most_words)
     with open(path, "w", encoding="utf-8") as stream:
         for text in texts:
             stream.write(("" if rng.random() < 0.02 else text) + "\n")
@@ -209,7 +209,7 @@ def throughput(args: argparse.Namespace, engines: list[str]) -> dict[str, Any]:
     if done.returncode != 0:
         raise SystemExit(f"{PROG}: building the model failed ({done.returncode})")
     source = args.work / "corpus.txt"
-    corpus(source, args.lines)
+    corpus(source, args.lines, most_words=12 if args.quick else 60)  # --quick: 64 positions
     rows: dict[str, dict[str, Any]] = {}
     for engine in engines:
         if engine == "server":
