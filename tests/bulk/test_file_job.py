@@ -221,3 +221,29 @@ def test_an_interrupted_job_resumes_without_losing_or_repeating_a_line(
     lines = corpus.read_text().splitlines()
     assert out.read_text().splitlines() == expected(demo_translator, lines)
     assert "done: 60 lines," in err
+
+
+def test_split_sentences_translates_each_sentence_of_a_line(
+        tmp_path: Path, demo_model: Path, demo_translator: Any,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from tfserve.text.documents import plan_document
+
+    lines = ["twelve. Seven. Three hundred.", "", "forty-two",
+             LONG_LINE.replace(" seven ", ". Seven ", 3)]  # sentences over the limit too
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.txt"
+    code, err = run_cli(capsys, ["--model", str(demo_model), "--input", str(source),
+                                 "--output", str(out), "--split-sentences", *SMALL])
+    assert code == 0, err
+    want = []
+    for line in lines:  # each line planned as the job plans it, its rows translated alone
+        plan = plan_document(line, format="text", split_sentences=True,
+                             max_tokens=demo_translator.max_source_tokens,
+                             count_tokens=lambda text: len(
+                                 demo_translator.tokenizer.encode_text(text)) + 1)
+        rows = demo_translator.translate(plan.rows) if plan.rows else []
+        want.append(plan.assemble(rows).text if line.strip() else "")
+    assert len(plan_document(lines[0], format="text").rows) == 3
+    assert out.read_text().splitlines() == want
+    assert "0 skipped, 0 truncated" in err  # the long line was cut into pieces that fit

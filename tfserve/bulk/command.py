@@ -170,7 +170,9 @@ def run(args: argparse.Namespace, decoding: dict[str, Any], prog: str = "tfserve
     out_format = output_format(args.output, args.output_format)
     options = JobOptions(max_batch_size=args.max_batch_size,
                          max_batch_tokens=args.max_batch_tokens, read_buffer=args.read_buffer,
-                         bad_lines=args.bad_lines, split_sentences=args.split_sentences)
+                         bad_lines=args.bad_lines, split_sentences=args.split_sentences,
+                         # the sentence splitter's rules: the texts' language, where given
+                         document_options={"language": decoding.get("source_language")})
     writer = Writer(out_format, args.output_field, skip_marker=args.skip_marker)
     to_file = args.output is not None and args.output != "-"
     from_file = args.input is not None and args.input != "-"

@@ -27,8 +27,12 @@ class Engine(Protocol):
     max_batch_size: int  # rows per translate() call at most (a server's advertised limit)
     exact_lengths: bool  # length() counts source tokens (else: a sort key only)
     failovers: int  # calls retried on another address so far
+    max_source_tokens: int  # the model's source limit (a sentence piece's budget)
 
     def fingerprint(self) -> dict[str, Any]: ...
+
+    def count_tokens(self, text: str) -> int | None:
+        """Source tokens of a text, framing included; None where unknown (a server)."""
 
     def length(self, text: str) -> tuple[int, str | None]:
         """The text's source length and, where known, why it is over the model's limit."""
@@ -68,6 +72,15 @@ class LocalEngine:
 
     def fingerprint(self) -> dict[str, Any]:
         return {"model": self.model_id}
+
+    @property
+    def max_source_tokens(self) -> int:
+        return int(self.translator.max_source_tokens)
+
+    def count_tokens(self, text: str) -> int | None:
+        tokenizer = self.translator.tokenizer
+        before, after = tokenizer.frame(self._source_language)
+        return len(before) + len(tokenizer.encode_text(text)) + len(after)
 
     def length(self, text: str) -> tuple[int, str | None]:
         translator = self.translator
@@ -118,6 +131,7 @@ class ServerEngine:
         self.info = info
         limit = int(info.limits.max_texts_per_request) or 256
         self.max_batch_size = limit
+        self.max_source_tokens = int(info.max_source_tokens) or 512
 
     def close(self) -> None:
         for client in self.clients:
@@ -125,6 +139,9 @@ class ServerEngine:
 
     def fingerprint(self) -> dict[str, Any]:
         return {"model": f"server:{self.info.model or self.info.model_name}@{self.info.version}"}
+
+    def count_tokens(self, text: str) -> int | None:
+        return None  # no tokenizer here: plan_document counts UTF-8 bytes (never fewer)
 
     def length(self, text: str) -> tuple[int, str | None]:
         # no tokenizer here: characters order the buffer well enough for the server's batching,

@@ -128,6 +128,9 @@ class _Loop:
                 raise ValueError("--split-sentences needs tfserve.text.documents, which this "
                                  "install does not have yet") from exc
             self._plan = plan_document
+            # a server's engine counts nothing: plan_document then counts UTF-8 bytes
+            self._count_tokens = (engine.count_tokens if engine.count_tokens("x") is not None
+                                  else None)
 
     def prepare(self, record: Record) -> _Item:
         """A record's rows, or why it has none (a bad line's policy applied here where it can
@@ -144,8 +147,17 @@ class _Loop:
         if not text.strip():
             return item  # a blank line gives a blank line, and the model never sees it
         if self._plan is not None:
-            plan = self._plan(text, split_sentences=True, **self.options.document_options)
-            texts = [row for row in plan.rows]
+            # the line as a document: one row per sentence, a sentence over the model's limit
+            # cut into pieces that fit, the translations joined back with the line's spacing
+            try:
+                plan = self._plan(text, format="text", split_sentences=True,
+                                  max_tokens=self.engine.max_source_tokens,
+                                  count_tokens=self._count_tokens,
+                                  **self.options.document_options)
+            except ValueError as exc:  # over the document limits
+                item.error = str(exc)
+                return item
+            texts = list(plan.rows)
             item.assemble = lambda translations, plan=plan: plan.assemble(translations).text
         else:
             texts = [text]

@@ -58,15 +58,18 @@ class TranslateBatch:
     def __init__(self, model: str, column: str = "text", output_column: str = "translation",
                  device: str = "cpu", threads: int = 0, bad_lines: str = "fail",
                  max_batch_size: int = 64, max_batch_tokens: int = 6144,
-                 decoding: dict[str, Any] | None = None, count_tokens: bool = False) -> None:
+                 decoding: dict[str, Any] | None = None, count_tokens: bool = False,
+                 split_sentences: bool = False) -> None:
         from tfserve.translator import Translator
 
         threads = threads or _assigned_cpus()
         translator = Translator(model, device=device, intra_op_threads=threads,
                                 max_batch_size=max_batch_size)
         self.engine = LocalEngine(translator, "", **(decoding or {}))
-        self.options = JobOptions(max_batch_size=max_batch_size,
-                                  max_batch_tokens=max_batch_tokens, bad_lines=bad_lines)
+        self.options = JobOptions(
+            max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
+            bad_lines=bad_lines, split_sentences=split_sentences,
+            document_options={"language": (decoding or {}).get("source_language")})
         self.column, self.output_column, self.count_tokens = column, output_column, count_tokens
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -147,7 +150,8 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
             "column": field, "output_column": args.output_field, "device": args.device,
             "threads": args.threads, "bad_lines": args.bad_lines,
             "max_batch_size": args.max_batch_size, "max_batch_tokens": args.max_batch_tokens,
-            "decoding": decoding, "count_tokens": True},
+            "decoding": decoding, "count_tokens": True,
+            "split_sentences": args.split_sentences},
         concurrency=args.ray_actors, num_cpus=args.ray_cpus, num_gpus=args.ray_gpus,
         # a lost actor is restarted and its tasks retried: a killed node costs time, not lines
         max_restarts=-1, max_task_retries=-1)
