@@ -158,6 +158,11 @@ def run(args: argparse.Namespace, decoding: dict[str, Any], prog: str = "tfserve
         raise ValueError("--input/--output translate a corpus: one translation per line, "
                          "without texts as arguments, --json, --scores or n-best "
                          "(--output-format jsonl keeps the records' fields)")
+    if getattr(args, "document", None) is not None:
+        raise ValueError("--document translates one file as one document; --input/--output "
+                         "a corpus line by line (--split-sentences: each line a document)")
+    if getattr(args, "truncate", False) and args.bad_lines == "fail":
+        args.bad_lines = "truncate"  # translate's --truncate: cut long lines, as without a file
     if getattr(args, "eager", False):
         raise ValueError("--input/--output run the exported model (--model) or --server, "
                          "not --eager")
@@ -172,7 +177,8 @@ def run(args: argparse.Namespace, decoding: dict[str, Any], prog: str = "tfserve
                          max_batch_tokens=args.max_batch_tokens, read_buffer=args.read_buffer,
                          bad_lines=args.bad_lines, split_sentences=args.split_sentences,
                          # the sentence splitter's rules: the texts' language, where given
-                         document_options={"language": decoding.get("source_language")})
+                         document_options={"language": decoding.get("source_language"),
+                                           "format": getattr(args, "format", None) or "text"})
     writer = Writer(out_format, args.output_field, skip_marker=args.skip_marker)
     to_file = args.output is not None and args.output != "-"
     from_file = args.input is not None and args.input != "-"
@@ -194,7 +200,8 @@ def run(args: argparse.Namespace, decoding: dict[str, Any], prog: str = "tfserve
                     "output_format": out_format, "text_field": args.text_field,
                     "output_field": args.output_field, "bad_lines": args.bad_lines,
                     "skip_marker": args.skip_marker,
-                    "split_sentences": args.split_sentences}, sort_keys=True, default=str)}
+                    "split_sentences": args.split_sentences,
+                    "format": getattr(args, "format", None)}, sort_keys=True, default=str)}
             journal = Journal(args.output)
             if not from_file:
                 Path(journal.path).unlink(missing_ok=True)

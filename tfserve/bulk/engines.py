@@ -155,8 +155,10 @@ class ServerEngine:
         for attempt in range(self.attempts):
             client = self.clients[(first + attempt) % len(self.clients)]
             try:
+                # each text one sequence: the job splits documents itself (--split-sentences)
                 hypotheses = client.translate_hypotheses(list(texts), truncate=truncate,
-                                                         model=self.model, **self.decoding)
+                                                         model=self.model, split_sentences=False,
+                                                         **self.decoding)
             except Exception as exc:
                 if is_bad_input(exc):
                     raise

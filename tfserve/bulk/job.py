@@ -52,7 +52,8 @@ class JobOptions:
     read_buffer: int = 4096  # records read, sorted and committed together
     bad_lines: str = "fail"
     split_sentences: bool = False
-    document_options: dict[str, Any] = field(default_factory=dict)  # plan_document's kwargs
+    # plan_document's format ("text", "html") and language, with split_sentences
+    document_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.bad_lines not in BAD_LINE_POLICIES:
@@ -150,7 +151,7 @@ class _Loop:
             # the line as a document: one row per sentence, a sentence over the model's limit
             # cut into pieces that fit, the translations joined back with the line's spacing
             try:
-                plan = self._plan(text, format="text", split_sentences=True,
+                plan = self._plan(text, split_sentences=True,
                                   max_tokens=self.engine.max_source_tokens,
                                   count_tokens=self._count_tokens,
                                   **self.options.document_options)

@@ -69,7 +69,8 @@ class TranslateBatch:
         self.options = JobOptions(
             max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
             bad_lines=bad_lines, split_sentences=split_sentences,
-            document_options={"language": (decoding or {}).get("source_language")})
+            document_options={"language": (decoding or {}).get("source_language"),
+                              "format": "text"})
         self.column, self.output_column, self.count_tokens = column, output_column, count_tokens
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
