@@ -22,7 +22,6 @@ from tfserve.bulk.progress import Progress
 from tfserve.bulk.records import (
     INPUT_FORMATS,
     OUTPUT_FORMATS,
-    Record,
     Writer,
     input_format,
     open_input,
@@ -243,4 +242,4 @@ def _skip_finished(records: Any, state: Any) -> Any:
     return records
 
 
-__all__ = ["Record", "add_arguments", "run", "wanted"]
+__all__ = ["add_arguments", "run", "wanted"]
