@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,12 +36,6 @@ from tfserve.artifacts.generation_defaults import GenerationDefaults
 from tfserve.generation import Backend, DecodingOptions, Hypothesis
 from tfserve.generation.batch import generate
 from tfserve.scheduler.scheduler_config import SchedulerConfig
-from tfserve.serving.documents import (
-    DocumentRequest,
-    TranslatedSegment,
-    plan_documents,
-)
-from tfserve.text.documents import DocumentLimits
 from tfserve.text.inputs import (
     DEFAULT_MAX_TEXTS,
     ENCODER_CALL_TOKENS,
@@ -54,6 +48,11 @@ from tfserve.text.inputs import (
 )
 from tfserve.text.tokenizer import Tokenizer
 from tfserve.text.translation_inputs import model_languages, request_options, source_ids
+
+if TYPE_CHECKING:  # the document path is imported when first used (sentence splitting,
+    # language detection and the serving core's document module cost seconds to import)
+    from tfserve.serving.documents import TranslatedSegment
+    from tfserve.text.documents import DocumentLimits
 
 
 def _per_text(value: Any, name: str, count: int) -> list[Any]:
@@ -259,6 +258,9 @@ class Translator:
         limits: characters and sentences (DocumentLimits' defaults when None). Errors are
         ValueErrors naming the field and the limit.
         """
+        from tfserve.serving.documents import DocumentRequest, plan_documents
+        from tfserve.text.documents import DocumentLimits
+
         if self.encoder_only:
             raise ValueError("this model is an encoder-only model (decoder_layers 0, a T5 "
                              "encoder): it embeds (encode), it does not translate")
