@@ -151,7 +151,8 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
             "column": field, "output_column": args.output_field, "device": args.device,
             "threads": args.threads, "bad_lines": args.bad_lines,
             "max_batch_size": args.max_batch_size, "max_batch_tokens": args.max_batch_tokens,
-            "decoding": decoding, "count_tokens": True,
+            # tokens counted for the summary where the rows pass through this process
+            "decoding": decoding, "count_tokens": not to_directory,
             "split_sentences": args.split_sentences},
         concurrency=args.ray_actors, num_cpus=args.ray_cpus, num_gpus=args.ray_gpus,
         # a lost actor is restarted and its tasks retried: a killed node costs time, not lines
@@ -159,13 +160,14 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
     counts = Counts()
     out_format = output_format(args.output, args.output_format)
     if to_directory:
-        counts.tokens = int(translated.sum(TOKENS_COLUMN) or 0)  # executes the pipeline once
-        translated = translated.drop_columns([TOKENS_COLUMN])
-        counts.lines = translated.count()
+        # the pipeline runs once, inside the write; the summary's lines are read back from
+        # what was written (Parquet: its metadata), its tokens are not counted
         if out_format == "jsonl":
             translated.write_json(args.output)
+            counts.lines = ray.data.read_json(args.output, lines=True).count()
         else:
             translated.write_parquet(args.output)
+            counts.lines = ray.data.read_parquet(args.output).count()
     else:
         from tfserve.bulk.journal import Journal
 
@@ -174,9 +176,12 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
         write_ordered(translated, args.output, out_format, field, args.output_field,
                       args.skip_marker, counts)
     seconds = time.monotonic() - started
-    line = (f"translate --ray: done: {counts.lines} lines, {counts.tokens} tokens, "
-            f"{seconds:.1f} s, {counts.failures} failures, {counts.skipped} skipped, "
-            f"{counts.truncated} truncated")
+    if to_directory:  # skipped lines carry an "error" field in the written rows
+        line = f"translate --ray: done: {counts.lines} lines, {seconds:.1f} s, in {args.output}"
+    else:
+        line = (f"translate --ray: done: {counts.lines} lines, {counts.tokens} tokens, "
+                f"{seconds:.1f} s, {counts.failures} failures, {counts.skipped} skipped, "
+                f"{counts.truncated} truncated")
     if args.progress != "none":
         print(line, file=stderr, flush=True)
     return Summary(counts, line)
