@@ -121,6 +121,14 @@ SENTENCE_FORMS: dict[str, Callable[[str, str], tuple[str, str]]] = {
     "sentence!": lambda en, fr: sentence_pair(en, fr, "!"),
     "sentence?": lambda en, fr: sentence_pair(en, fr, "?"),
 }
+FORMS = [*SOURCE_FORMS, *SENTENCE_FORMS]
+
+
+def form_pair(number: int, form: str) -> tuple[str, str]:
+    """(english, french) of `number` in `form`, a SOURCE_FORMS or SENTENCE_FORMS key."""
+    if form in SENTENCE_FORMS:
+        return SENTENCE_FORMS[form](english(number), french(number))
+    return SOURCE_FORMS[form](english(number)), french(number)
 
 
 def sample_number(rng: random.Random) -> int:

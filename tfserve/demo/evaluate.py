@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from tfserve.demo import CHECKPOINT_DIR
-from tfserve.demo.data import SENTENCE_FORMS, SOURCE_FORMS, english, french, held_out_numbers
+from tfserve.demo.data import FORMS, SENTENCE_FORMS, SOURCE_FORMS, form_pair, held_out_numbers
 from tfserve.translator import Translator
 
 
@@ -37,22 +37,11 @@ def eager_translator(checkpoint: Path = CHECKPOINT_DIR) -> Translator:
                                    Tokenizer(checkpoint, spec))
 
 
-FORMS = [*SOURCE_FORMS, *SENTENCE_FORMS]
-
-
-def form_pairs(numbers: list[int], form: str) -> list[tuple[str, str]]:
-    """(english, french) of each number in `form` (a data.SOURCE_FORMS or
-    data.SENTENCE_FORMS key)."""
-    if form in SENTENCE_FORMS:
-        return [SENTENCE_FORMS[form](english(n), french(n)) for n in numbers]
-    return [(SOURCE_FORMS[form](english(n)), french(n)) for n in numbers]
-
-
 def accuracy(translator: Translator, numbers: list[int],
              form: str = "canonical") -> tuple[float, list[tuple[str, str, str]]]:
-    """Fraction translated exactly with the English in `form` (see form_pairs), and the
+    """Fraction translated exactly with the English in `form` (a data.FORMS name), and the
     (source, expected, got) mistakes."""
-    pairs = form_pairs(numbers, form)
+    pairs = [form_pair(n, form) for n in numbers]
     outputs = translator.translate([source for source, _ in pairs])
     mistakes = [(source, expected, got)
                 for (source, expected), got in zip(pairs, outputs) if got != expected]

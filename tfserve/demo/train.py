@@ -38,11 +38,9 @@ import torch.nn.functional as F
 from tfserve.artifacts.model_config import ModelConfig
 from tfserve.demo import CHECKPOINT_DIR
 from tfserve.demo.data import (
-    SENTENCE_FORMS,
+    FORMS,
     SENTENCE_RATE,
-    SOURCE_FORMS,
-    english,
-    french,
+    form_pair,
     held_out_numbers,
     tokenizer_corpus,
     training_pairs,
@@ -149,13 +147,6 @@ def make_batch(
             torch.from_numpy(labels))
 
 
-def form_pair(number: int, form: str) -> tuple[str, str]:
-    """(english, french) of `number` in one of data.SOURCE_FORMS or data.SENTENCE_FORMS."""
-    if form in SENTENCE_FORMS:
-        return SENTENCE_FORMS[form](english(number), french(number))
-    return SOURCE_FORMS[form](english(number)), french(number)
-
-
 @torch.no_grad()
 def exact_match(model: Seq2SeqTransformer, tokenizer: Tokenizer, numbers: list[int],
                 form: str = "canonical") -> float:
@@ -233,8 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     dev = held_out_numbers()
     # sentences the export decodes with both backends for its greedy parity check: held-out
     # numbers in each form in turn, so the check covers the forms people type
-    forms = [*SOURCE_FORMS, *SENTENCE_FORMS]
-    samples = [form_pair(n, forms[i % len(forms)])[0] for i, n in enumerate(dev[:200])]
+    samples = [form_pair(n, FORMS[i % len(FORMS)])[0] for i, n in enumerate(dev[:200])]
     (args.out / "samples.txt").write_text("\n".join(samples) + "\n")
     pairs = training_pairs(args.seed, sentence_rate=SENTENCE_RATE)
     model.train()
@@ -255,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{time.time() - started:.0f}s", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             scores = ", ".join(f"{form} {exact_match(model, tokenizer, dev, form):.2%}"
-                               for form in forms)
+                               for form in FORMS)
             print(f"step {step} held-out exact match: {scores}", flush=True)
             save_checkpoint(model.eval(), args.out)
             model.train()
