@@ -144,6 +144,8 @@ def infer_response(outputs: list[Tensor], model: str, version: str, request_id: 
             parameter.bool_param = value
         elif isinstance(value, int):
             parameter.int64_param = value
+        elif isinstance(value, float):  # a detected language's confidence
+            parameter.double_param = value
         else:
             parameter.string_param = str(value)
     return response

@@ -13,8 +13,10 @@ A translation model (docs/server.md, "Open Inference Protocol"):
     outputs  translation    BYTES [N]              the best translation of each text; [N, K]
                                                    with num_return_sequences K > 1
              score          FP32, as translation   each translation's score
-    parameters  source_language, target_language, target_prefix (string), truncate (bool),
-                and every decoding option of the native API under its own name and limits
+    parameters  source_language (a code, or "auto"), target_language, target_prefix
+                (string), truncate (bool), split_sentences (bool, default true: each text a
+                document, docs/documents.md), format ("text" or "html"), and every
+                decoding option of the native API under its own name and limits
                 (max_new_tokens, num_beams, temperature, ...)
 
 An encoder model (decoder_layers 0) takes `text` and gives `embedding` FP32 [N, D], with the
@@ -22,8 +24,10 @@ parameters pooling (mean, max, first), truncate and source_language.
 
 A streamed translation (gRPC ModelStreamInfer) answers each text's text as it is decided:
 every response holds `translation` BYTES [1], a text delta, and the parameters `index` (the
-text's place in the request) and `done`; an input's last response also holds `score`, and the
-request's last one carries `triton_final_response: true`.
+text's place in the request), `segment` (a document's segment, in order; left out for
+the first) and `done`; an input's last response also holds `score` (and, with
+source_language "auto", `detected_language` and `confidence`), and the request's last one
+carries `triton_final_response: true`.
 
 Bad input is an InvalidArgument naming the protocol's field (`inputs[0].datatype`,
 `parameters.num_beams`, `text[2]`); the core's own checks name the native API's fields, which
@@ -81,7 +85,8 @@ TRANSPORT_PARAMETERS: dict[str, type] = {
 
 # the parameters of each kind of model besides the decoding options, with their types
 _TRANSLATE_PARAMETERS: dict[str, type] = {
-    "source_language": str, "target_language": str, TARGET_PREFIX: str, "truncate": bool}
+    "source_language": str, "target_language": str, TARGET_PREFIX: str, "truncate": bool,
+    "split_sentences": bool, "format": str}
 _ENCODE_PARAMETERS: dict[str, type] = {"source_language": str, "pooling": str, "truncate": bool}
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
@@ -176,7 +181,9 @@ def translate_input(request: InferRequest) -> TranslateInput:
                           truncate=given.get("truncate", False), options=options,
                           source_language=given.get("source_language", ""),
                           target_language=given.get("target_language", ""),
-                          target_prefix=prefixes)
+                          target_prefix=prefixes,
+                          split_sentences=given.get("split_sentences"),
+                          format=given.get("format", ""))
 
 
 def encode_input(request: InferRequest) -> EncodeInput:
@@ -425,7 +432,8 @@ def request_reading() -> Iterator[None]:
 
 # the native API's field names at the start of the core's messages -> the protocol's
 _NATIVE_FIELDS = ((re.compile(r"^texts\b"), TEXT), (re.compile(r"^options\."), "parameters."),
-                  (re.compile(r"^(source_language|target_language|pooling|truncate)\b"),
+                  (re.compile(r"^(source_language|target_language|pooling|truncate|format"
+                              r"|split_sentences)\b"),
                    r"parameters.\1"))
 
 
@@ -490,9 +498,15 @@ def chunk_outputs(chunk: Chunk) -> tuple[list[Tensor], dict[str, Any]]:
     """The tensors and parameters of one streamed chunk's response (the text delta of input
     `index`; its last chunk with the score of its best translation)."""
     outputs = [Tensor(TRANSLATION, BYTES, (1,), [chunk.text_delta])]
+    parameters: dict[str, Any] = {"index": chunk.index, "done": chunk.done}
+    if chunk.segment:  # a document's later segment (0, the first, is left out)
+        parameters["segment"] = chunk.segment
     if chunk.done and chunk.final is not None:
         outputs.append(Tensor(SCORE, FP32, (1,), np.asarray([chunk.final.score], np.float32)))
-    return outputs, {"index": chunk.index, "done": chunk.done}
+    if chunk.detected is not None:
+        parameters.update(detected_language=chunk.detected.language,
+                          confidence=chunk.detected.confidence)
+    return outputs, parameters
 
 
 def check_streamable(request: TranslateInput) -> None:
