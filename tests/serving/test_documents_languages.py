@@ -129,3 +129,17 @@ def test_translate_document_detects_and_matches_the_server(server: ServerThread,
     with pytest.raises(ValueError, match="detected as 'it'"):
         translator.translate_document(ITALIAN, source_language="auto",
                                       target_language="deu_Latn")
+
+
+def test_auto_on_html_reads_the_pages_text_not_its_markup(server: ServerThread) -> None:
+    # an English script and English attribute values around French text: detected on the
+    # raw page, the markup drags the confidence down to about a third
+    script = ('var message = "the quick brown fox jumps over the lazy dog, and then the page '
+              'says hello to every reader"; function hello() { return document.title; }')
+    page = (f"<html><head><script>{script}</script><style>body {{ color: black; }}</style>"
+            f'</head><body><p class="introduction">{FRENCH}</p></body></html>')
+    status, answer = translate(server, [page], sourceLanguage="auto", format="html")
+    assert status == 200, answer
+    translation = answer["translations"][0]
+    assert translation["detectedLanguage"] == "fra_Latn"
+    assert translation["confidence"] > 0.9

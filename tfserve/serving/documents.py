@@ -37,7 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from tfserve.serving.status import InvalidArgument
-from tfserve.text.documents import FORMATS, DocumentLimits, DocumentPlan, plan_document
+from tfserve.text.documents import (
+    FORMATS,
+    DocumentLimits,
+    DocumentPlan,
+    document_text,
+    plan_document,
+)
 from tfserve.text.language_detection import (
     UndecidableLanguage,
     detect_language,
@@ -220,18 +226,19 @@ def splitter_language(code: str) -> str | None:
     return match.group(1) if match else None
 
 
-def detect(tokenizer: Tokenizer, text: str, field_name: str = "texts[0]") -> DetectedLanguage:
-    """A document's language for source_language "auto": detected from the whole text, as
-    the model's code. InvalidArgument for a model without language codes, a text whose
-    language cannot be decided (UndecidableLanguage's message) and a language the model
-    lacks (naming it)."""
+def detect(tokenizer: Tokenizer, text: str, field_name: str = "texts[0]",
+           format_name: str = DEFAULT_FORMAT) -> DetectedLanguage:
+    """A document's language for source_language "auto": detected from the whole text (an
+    HTML page's text, without its markup, scripts and styles), as the model's code.
+    InvalidArgument for a model without language codes, a text whose language cannot be
+    decided (UndecidableLanguage's message) and a language the model lacks (naming it)."""
     languages = model_languages(tokenizer)
     if not languages:
         raise InvalidArgument("source_language 'auto' needs a multilingual model (one with "
                               "language codes, ModelInfo.languages); this model has none: "
                               "leave source_language empty")
     try:
-        found = detect_language(text)
+        found = detect_language(document_text(text, format_name))
     except UndecidableLanguage as exc:
         raise InvalidArgument(f"source_language 'auto': {field_name}: {exc}") from exc
     code = model_language(found.language, languages)
@@ -268,7 +275,7 @@ def plan_documents(tokenizer: Tokenizer, texts: Sequence[str], request: Document
             raise InvalidArgument(f"{where} is {len(text)} characters, over the limit of "
                                   f"{limits.max_characters} characters per document "
                                   "(--max-document-characters)")
-        found = detect(tokenizer, text, where) if auto else None
+        found = detect(tokenizer, text, where, format_name) if auto else None
         code = found.language if found is not None else request.source_language
         first_row.append(len(sources))
         detected.append(found)
