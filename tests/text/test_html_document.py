@@ -275,3 +275,13 @@ def test_too_many_rows_stop_the_plan_early() -> None:
                       limits=DocumentLimits(max_sentences=3))
     assert len(plan_document("<p>a</p>" * 3, format="html",
                              limits=DocumentLimits(max_sentences=3)).rows) == 3
+
+
+def test_render_row_is_the_rows_span_of_the_assembled_document() -> None:
+    plan = plan_document("<p>Hello <b>big</b> world.</p><p>Second &amp; last.</p>",
+                         format="html")
+    translations = [f"<{row.upper()}> & more" for row in plan.rows]
+    assembled = plan.assemble(translations)
+    for index, segment in enumerate(assembled.segments):
+        assert plan.render_row(index, translations[index]) == (
+            assembled.text[segment.target_start:segment.target_end])

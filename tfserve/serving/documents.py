@@ -178,10 +178,7 @@ class Documents:
         its markup projected; the text layer renders each row on its own, so a stream
         renders one row without assembling the whole document each time)."""
         plan = self.plans[index]
-        if plan is None or plan.format == DEFAULT_FORMAT:
-            return translation
-        markup = plan._markup  # noqa: SLF001 -- DocumentPlan has no public one-row render
-        return markup[segment].render(translation) if markup else translation
+        return translation if plan is None else plan.render_row(segment, translation)
 
     def result(self, index: int, rows: Sequence[Sequence[H]]) -> TranslatedText:
         """Text `index`'s answer from the hypotheses of its rows (in order)."""

@@ -75,6 +75,12 @@ class DocumentPlan:
     def __repr__(self) -> str:
         return f"DocumentPlan(format={self.format!r}, rows={len(self.rows)})"
 
+    def render_row(self, index: int, translation: str) -> str:
+        """Row `index`'s translation as the assembled document holds it: a text row's as it
+        is; an HTML row's escaped, with the row's inline tags projected onto it. A stream
+        renders each row as it finishes, without assembling the whole document each time."""
+        return self._markup[index].render(translation) if self._markup else translation
+
     def assemble(self, translations: list[str]) -> AssembledDocument:
         """The document with each row's span replaced by its translation (for HTML: escaped,
         with the row's inline tags projected onto it)."""
@@ -91,7 +97,7 @@ class DocumentPlan:
                 raise ValueError(f"translations[{index}] must be a string, got "
                                  f"{type(translation).__name__}")
             gap = self.text[cursor:start]
-            rendered = self._markup[index].render(translation) if self._markup else translation
+            rendered = self.render_row(index, translation)
             out += (gap, rendered)
             target_start = length + len(gap)
             length = target_start + len(rendered)
