@@ -78,8 +78,7 @@ def test_a_killed_worker_node_loses_no_line(cluster: Any, tmp_path: Path, demo_m
     dataset = read_dataset(str(source), "lines", blocks=6).map_batches(
         gated_class(gate, markers), batch_size=4, batch_format="numpy",
         fn_constructor_kwargs={"model": str(demo_model), "threads": 1},
-        concurrency=2, num_cpus=0.5, resources={ACTOR_RESOURCE: 1},
-        max_restarts=-1, max_task_retries=-1)
+        concurrency=2, num_cpus=0.5, resources={ACTOR_RESOURCE: 1})
     killed: list[int] = []
 
     def kill_a_node() -> None:

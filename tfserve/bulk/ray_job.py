@@ -96,6 +96,7 @@ def _is_uri(path: str) -> bool:
 READ_ARGS: dict[str, Any] = {"num_cpus": 0}
 
 
+
 def read_dataset(path: str, fmt: str, blocks: int | None = None) -> Any:
     """The corpus as a Ray Dataset (Ray Data's readers; lines land in a "text" column).
     blocks: how many blocks to cut it into (default: Ray's choice); each block is one task
@@ -154,9 +155,9 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
             # tokens counted for the summary where the rows pass through this process
             "decoding": decoding, "count_tokens": not to_directory,
             "split_sentences": args.split_sentences},
-        concurrency=args.ray_actors, num_cpus=args.ray_cpus, num_gpus=args.ray_gpus,
-        # a lost actor is restarted and its tasks retried: a killed node costs time, not lines
-        max_restarts=-1, max_task_retries=-1)
+        # Ray Data restarts a lost actor and retries its tasks (its actor pools' default
+        # max_restarts and max_task_retries are -1): a killed node costs time, not lines
+        concurrency=args.ray_actors, num_cpus=args.ray_cpus, num_gpus=args.ray_gpus)
     counts = Counts()
     out_format = output_format(args.output, args.output_format)
     if to_directory:
