@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import sys
 from pathlib import Path
 
@@ -68,3 +69,25 @@ def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from server_helpers import export_random_model
 
     return export_random_model(tmp_path_factory.mktemp("random-model") / "artifacts")
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled demo, exported once a session into a cache of its own (tests/bulk has its
+    own: the user's cache, where the CLI it runs finds the demo)."""
+    from server_helpers import demo_trained
+
+    if not demo_trained():
+        pytest.skip("the demo checkpoint (tfserve/demo/checkpoint/model.safetensors) is not "
+                    "trained yet")
+    from tfserve.demo import default_artifacts
+
+    saved = os.environ.get("TFSERVE_CACHE")
+    os.environ["TFSERVE_CACHE"] = str(tmp_path_factory.mktemp("tfserve-cache"))
+    try:
+        return default_artifacts()
+    finally:
+        if saved is None:
+            os.environ.pop("TFSERVE_CACHE", None)
+        else:
+            os.environ["TFSERVE_CACHE"] = saved

@@ -24,25 +24,9 @@ GREEDY = {"num_beams": 1, "max_new_tokens": 24}
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The bundled demo, exported once into a cache of this module's."""
-    import os
-
-    from server_helpers import demo_trained
-
-    if not demo_trained():
-        pytest.skip("the demo checkpoint is not trained yet")
-    from tfserve.demo import default_artifacts
-
-    saved = os.environ.get("TFSERVE_CACHE")
-    os.environ["TFSERVE_CACHE"] = str(tmp_path_factory.mktemp("tfserve-cache"))
-    try:
-        return default_artifacts()
-    finally:
-        if saved is None:
-            os.environ.pop("TFSERVE_CACHE", None)
-        else:
-            os.environ["TFSERVE_CACHE"] = saved
+def demo(demo_model: Path) -> Path:
+    """The bundled demo, exported once a session (tests/conftest.py)."""
+    return demo_model
 
 
 @pytest.fixture(scope="module")
