@@ -51,17 +51,26 @@ def gated_class(gate: Path, markers: Path) -> type:
 def cluster() -> Iterator[Any]:
     from ray.cluster_utils import Cluster
 
-    # the head has room for one actor too: where the killed node's actor is restarted
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 1, "resources": {ACTOR_RESOURCE: 1}})
-    workers = [cluster.add_node(num_cpus=1, resources={ACTOR_RESOURCE: 1}) for _ in range(2)]
-    ray.init(address=cluster.address, log_to_driver=False, include_dashboard=False)
-    cluster.workers = workers
-    try:
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    threads_before = set(threading.enumerate())
+    with pytest.MonkeyPatch.context() as patch:
+        # no usage reporting: with it, Ray Data starts a driver thread that polls a Prometheus
+        # server every 10 s for as long as the process lives and logs each failure with its
+        # traceback; CPython 3.11 formats that traceback with ast.parse, whose state races
+        # with another thread's (a SystemError in the suite's own ast readers, gh-106905)
+        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        # the head has room for one actor too: where the killed node's actor is restarted
+        cluster = Cluster(initialize_head=True,
+                          head_node_args={"num_cpus": 1, "resources": {ACTOR_RESOURCE: 1}})
+        workers = [cluster.add_node(num_cpus=1, resources={ACTOR_RESOURCE: 1}) for _ in range(2)]
+        ray.init(address=cluster.address, log_to_driver=False, include_dashboard=False)
+        cluster.workers = workers
+        try:
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    # nothing of Ray's keeps running in the test process after the cluster is gone
+    assert {thread.name for thread in set(threading.enumerate()) - threads_before} == set()
 
 
 def test_a_killed_worker_node_loses_no_line(cluster: Any, tmp_path: Path, demo_model: Path,
