@@ -78,3 +78,21 @@ def test_one_bad_line_costs_only_itself(tmp_path: Path, server: ServerThread,
     code, err = run_cli(capsys, ["--server", server.target, "--input", str(source),
                                  "--output", str(tmp_path / "fail.txt"), *SMALL])
     assert code == 2 and "line 4:" in err
+
+
+@pytest.mark.parametrize(("beams", "batch", "note"), [
+    ("4", "16", "the server decodes 32 rows at once (8 lines at 4 beams), fewer than a batch of "
+                "16 lines: its --max-batch-size 64 decodes a whole batch at once"),
+    ("2", "16", None),  # 32 rows hold 16 lines at 2 beams
+])
+def test_a_server_batch_smaller_than_the_jobs_is_named(
+        tmp_path: Path, server: ServerThread, capsys: pytest.CaptureFixture[str],
+        beams: str, batch: str, note: str | None) -> None:
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(number_phrases(4, seed=12, blanks=False)) + "\n")
+    code, err = run_cli(capsys, ["--server", server.target, "--input", str(source), "--output",
+                                 str(tmp_path / "out.txt"), "--beams", beams,
+                                 "--max-batch-size", batch, *SMALL])
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if "the server decodes" in line]
+    assert [line.split(" translate: ", 1)[1] for line in notes] == ([note] if note else [])

@@ -19,7 +19,8 @@ like:
              length, token-budget batches, output fsynced and journaled per buffer)
     ct2      CTranslate2's Translator.translate_file (max_batch_size --batch-size,
              read_batch_size --read-buffer, the SentencePiece model as its tokenize_fn)
-    server   the streamed job with --server against `tfserve serve` on this machine
+    server   the streamed job with --server against `tfserve serve` on this machine, whose
+             --max-batch-size (rows: one per beam) holds a batch of --batch-size lines
 
 It prints one JSON line per engine and the ratios the issue asks for: file / memory (>= 0.95),
 file / ct2 (>= 1.1), server / file (>= 0.9).
@@ -174,7 +175,8 @@ def run_engine(args: argparse.Namespace, engine: str, extra: list[str]) -> dict[
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
-    """`tfserve serve` on the fp32 export, with the engines' threads; waits until SERVING."""
+    """`tfserve serve` on the fp32 export, with the engines' threads and batch; waits until
+    SERVING."""
     import socket
 
     from tfserve.client import Client
@@ -185,6 +187,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
     process = subprocess.Popen(
         [sys.executable, "-m", "tfserve", "serve", "--model", str(args.work / "tfserve-fp32"),
          "--host", "127.0.0.1", "--port", str(port), "--threads", str(args.threads),
+         # the job's batch: --max-batch-size counts rows, one per beam of each line
+         "--max-batch-size", str(args.batch_size * args.beams),
          "--metrics-port", "0", "--log-level", "warning"], env=child_env())
     target = f"127.0.0.1:{port}"
     with Client(target) as client:

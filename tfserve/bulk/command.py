@@ -185,6 +185,9 @@ def run(args: argparse.Namespace, decoding: dict[str, Any], prog: str = "tfserve
         raise ValueError("--output is --input: write the translations to another file")
     engine = _engine(args, decoding)
     try:
+        note = engine.batch_note(options.max_batch_size) if args.server else None
+        if note is not None and args.progress != "none":
+            print(f"{prog} translate: {note}", file=stderr)
         journal = state = None
         if to_file:
             if not from_file:

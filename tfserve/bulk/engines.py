@@ -133,6 +133,19 @@ class ServerEngine:
         self.max_batch_size = limit
         self.max_source_tokens = int(info.max_source_tokens) or 512
 
+    def batch_note(self, batch: int) -> str | None:
+        """Why the server decodes fewer of the job's lines at once than a batch holds, where
+        it does: its --max-batch-size counts rows, and each line takes one row per beam."""
+        rows = int(self.info.limits.max_batch_size)
+        defaults = self.info.generation_defaults
+        beams = self.decoding.get("num_beams") or (
+            defaults.num_beams if defaults.HasField("num_beams") else 1)
+        if not rows or rows // beams >= batch:
+            return None
+        return (f"the server decodes {rows} rows at once ({max(rows // beams, 1)} lines at "
+                f"{beams} beams), fewer than a batch of {batch} lines: its --max-batch-size "
+                f"{batch * beams} decodes a whole batch at once")
+
     def close(self) -> None:
         for client in self.clients:
             client.close()
