@@ -1,9 +1,10 @@
 """Bulk translation benchmark: the streamed file job against today's in-memory path,
 CTranslate2's translate_file and the same job through a server; and the job's peak RSS
-against the size of its file.
+against the size of its file; and the job on Ray, 1 actor against several.
 
     python -m tfserve.bench.bulk --work /tmp/bulk-bench             # throughput (opus-mt-base)
     python -m tfserve.bench.bulk --work /tmp/bulk-bench --rss       # peak RSS, 10k vs 1M lines
+    python -m tfserve.bench.bulk --work /tmp/bulk-bench --ray-scaling --lines 600   # Ray
     python -m tfserve.bench.bulk --quick                            # tiny everything (smoke)
 
 Throughput: one random opus-mt-base-sized MarianMT checkpoint (tfserve.bench.compare's build:
@@ -30,8 +31,14 @@ file / ct2 (>= 1.1), server / file (>= 0.9).
 child process each; its peak RSS (wait4's ru_maxrss) per size and the ratio of the largest to
 the smallest (<= 1.2: memory does not grow with the file).
 
-Model loading is not timed; each child times its job only. This module imports the standard
-library only at import time.
+--ray-scaling: the same corpus and model through the CLI, wall time of the whole command
+(Ray's start, the actors' model loads and the job): the one-machine job with 1 thread and with
+--threads, and `translate --ray local` with 1 actor and with --ray-actors actors of one CPU
+each; the ratios are the Ray job's scaling from 1 actor to N and its N actors against the
+one-machine job on the same cores.
+
+In the throughput runs model loading is not timed; each child times its job only. This
+module imports the standard library only at import time.
 """
 
 from __future__ import annotations
@@ -204,9 +211,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
             time.sleep(0.5)
 
 
-def throughput(args: argparse.Namespace, engines: list[str]) -> dict[str, Any]:
-    from tfserve.bench.common import stop_process
-
+def build_throughput_inputs(args: argparse.Namespace) -> Path:
+    """The model (tfserve.bench.compare's build, reused from --work) and the corpus."""
     build = [sys.executable, "-m", "tfserve.bench.compare", "--work", str(args.work),
              "--build-only", *(["--quick"] if args.quick else [])]
     done = subprocess.run(build, env=child_env())
@@ -214,6 +220,13 @@ def throughput(args: argparse.Namespace, engines: list[str]) -> dict[str, Any]:
         raise SystemExit(f"{PROG}: building the model failed ({done.returncode})")
     source = args.work / "corpus.txt"
     corpus(source, args.lines, most_words=12 if args.quick else 60)  # --quick: 64 positions
+    return source
+
+
+def throughput(args: argparse.Namespace, engines: list[str]) -> dict[str, Any]:
+    from tfserve.bench.common import stop_process
+
+    build_throughput_inputs(args)
     rows: dict[str, dict[str, Any]] = {}
     # the engines take turns, --passes times, and each keeps its best run: a shared
     # machine's speed drifts between one engine's turn and the next
@@ -237,8 +250,19 @@ def throughput(args: argparse.Namespace, engines: list[str]) -> dict[str, Any]:
         if top in rows and bottom in rows:
             ratio = rows[top]["tok_s"] / rows[bottom]["tok_s"]
             ratios[name] = {"ratio": round(ratio, 3), "target": floor, "met": ratio >= floor}
-    print(json.dumps({"ratios": ratios}), flush=True)
-    return {"engines": rows, "ratios": ratios}
+    # the same translations: the share of lines each tfserve engine writes as the in-memory
+    # path does (CTranslate2 writes pieces, not text)
+    agreement = {}
+    if "memory" in rows:
+        reference = (args.work / "out-memory.txt").read_text(encoding="utf-8").splitlines()
+        for engine in ("file", "server"):
+            if engine in rows:
+                lines = (args.work / f"out-{engine}.txt").read_text(
+                    encoding="utf-8").splitlines()
+                agreement[engine] = round(sum(a == b for a, b in zip(lines, reference))
+                                          / max(len(reference), len(lines), 1), 4)
+    print(json.dumps({"ratios": ratios, "lines_as_memory": agreement}), flush=True)
+    return {"engines": rows, "ratios": ratios, "lines_as_memory": agreement}
 
 
 def peak_rss(args: argparse.Namespace) -> dict[str, Any]:
@@ -271,6 +295,46 @@ def peak_rss(args: argparse.Namespace) -> dict[str, Any]:
     return {"rss": rows, **result}
 
 
+def ray_scaling(args: argparse.Namespace) -> dict[str, Any]:
+    source = build_throughput_inputs(args)
+    runs = {"file-1": ["--threads", "1"], f"file-{args.threads}": ["--threads",
+                                                                  str(args.threads)],
+            "ray-1": ["--ray", "local", "--ray-actors", "1", "--ray-cpus", "1"],
+            f"ray-{args.ray_actors}": ["--ray", "local", "--ray-actors", str(args.ray_actors),
+                                       "--ray-cpus", "1"]}
+    lines = sum(1 for line in open(source, encoding="utf-8") if line.strip())
+    rows: dict[str, dict[str, Any]] = {}
+    for name, extra in runs.items():
+        out = args.work / f"out-{name}.txt"
+        out.unlink(missing_ok=True)
+        Path(str(out) + ".tfserve-job.json").unlink(missing_ok=True)
+        command = [sys.executable, "-m", "tfserve", "translate", "--model",
+                   str(args.work / "tfserve-fp32"), "--input", str(source), "--output",
+                   str(out), "--beams", str(args.beams), "--min-new-tokens",
+                   str(args.new_tokens), "--max-new-tokens", str(args.new_tokens),
+                   "--max-batch-size", str(args.batch_size), "--read-buffer",
+                   str(args.read_buffer), "--progress", "none", *extra]
+        started = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True,
+                              env={**child_env(), "RAY_USAGE_STATS_ENABLED": "0"})
+        seconds = time.perf_counter() - started
+        if done.returncode != 0:
+            raise SystemExit(f"{PROG}: {name} failed ({done.returncode}): "
+                             f"{done.stderr[-2000:]}")
+        rows[name] = {"run": name, "lines": lines, "seconds": round(seconds, 1),
+                      "lines_s": lines / seconds, "tok_s": lines * args.new_tokens / seconds}
+        print(json.dumps(rows[name]), flush=True)
+    reference = (args.work / f"out-file-{args.threads}.txt").read_text(encoding="utf-8")
+    same = all((args.work / f"out-{name}.txt").read_text(encoding="utf-8") == reference
+               for name in runs)
+    many, one = rows[f"ray-{args.ray_actors}"], rows["ray-1"]
+    result = {"ray_scaling": round(many["tok_s"] / one["tok_s"], 3),
+              "ray_over_file": round(many["tok_s"] / rows[f"file-{args.threads}"]["tok_s"], 3),
+              "outputs_equal": same}
+    print(json.dumps(result), flush=True)
+    return {"runs": rows, **result}
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tfserve.argparsing import OneLineParser
 
@@ -282,6 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tiny model, few lines, small RSS files (smoke test)")
     parser.add_argument("--rss", action="store_true",
                         help="measure peak RSS against the file's size instead of throughput")
+    parser.add_argument("--ray-scaling", action="store_true",
+                        help="time the Ray job (1 actor, --ray-actors actors) against the "
+                        "one-machine job instead (the ray extra)")
+    parser.add_argument("--ray-actors", type=int, default=2,
+                        help="actors of one CPU each in the --ray-scaling run")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated engines")
     parser.add_argument("--lines", type=int, default=None,
                         help="lines of the throughput corpus (default 20000; --quick 200)")
@@ -325,7 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tfserve-bulk-bench-") as temporary:
         args.work = (args.work or Path(temporary)).resolve()
         args.work.mkdir(parents=True, exist_ok=True)
-        result = peak_rss(args) if args.rss else throughput(args, engines)
+        if args.rss:
+            result = peak_rss(args)
+        elif args.ray_scaling:
+            result = ray_scaling(args)
+        else:
+            result = throughput(args, engines)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1))
     return 0
