@@ -36,13 +36,22 @@ BAD_LINE_POLICIES = ("fail", "skip", "truncate")
 PENDING_BUFFERS = 2
 
 
+def where(number: int) -> str:
+    """A record's place in its input; number 0: a row whose line number its reader does not
+    know (Ray's JSON, CSV and Parquet readers)."""
+    return f"line {number}" if number else "a row"
+
+
 class BadLineError(ValueError):
     """A bad line under the "fail" policy: the job stops at it, naming it."""
 
     def __init__(self, number: int, reason: str) -> None:
-        super().__init__(f"line {number}: {reason} (--bad-lines skip or truncate goes on "
+        super().__init__(f"{where(number)}: {reason} (--bad-lines skip or truncate goes on "
                          "past such lines)")
-        self.number = number
+        self.number, self.reason = number, reason
+
+    def __reduce__(self) -> tuple[type, tuple[int, str]]:
+        return BadLineError, (self.number, self.reason)  # rebuilt where a Ray task failed
 
 
 @dataclass
@@ -269,7 +278,7 @@ def _outcome(item: _Item, options: JobOptions, counts: Counts) -> tuple[str | No
         if options.bad_lines == "fail":
             raise BadLineError(record.number, error)
         counts.skipped += 1
-        return None, f"line {record.number}: {error}"
+        return None, f"{where(record.number)}: {error}"
     if item.truncated or any(row.truncated for row in item.rows):
         counts.truncated += 1
     translations = [row.translation or "" for row in item.rows]
@@ -284,15 +293,12 @@ def _output(item: _Item, writer: Writer, options: JobOptions, counts: Counts) ->
     return writer.line(item.record, translation, error)
 
 
-def translate_texts(engine: Engine, texts: Sequence[str | None], options: JobOptions,
-                    first_number: int = 1) -> tuple[list[tuple[str | None, str | None, int]],
-                                                    Counts]:
-    """One column of texts translated in this thread (Ray's map_batches: the batch is the
-    buffer): (translation, error, target tokens) per text, and the counts."""
+def translate_records(engine: Engine, records: Sequence[Record], options: JobOptions
+                      ) -> tuple[list[tuple[str | None, str | None, int]], Counts]:
+    """Records translated in this thread (Ray's map_batches: the batch is the buffer):
+    (translation, error, target tokens) per record, and the counts."""
     loop = _Loop(engine, options)
-    items = [loop.prepare(Record(first_number + i, text, first_number + i,
-                                 error=None if text is not None else "no text"))
-             for i, text in enumerate(texts)]
+    items = [loop.prepare(record) for record in records]
     rows = [row for item in items for row in item.rows if row.translation is None]
     counts = Counts()
     for batch in token_batches([row.length for row in rows], loop.max_rows,

@@ -27,17 +27,23 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
 from typing import IO, Any
 
 import numpy as np
 
 from tfserve.bulk.engines import LocalEngine
-from tfserve.bulk.job import JobOptions, Summary, translate_texts
+from tfserve.bulk.job import BadLineError, JobOptions, Summary, translate_records
 from tfserve.bulk.progress import Counts
-from tfserve.bulk.records import input_format, output_format
+from tfserve.bulk.records import Record, input_format, output_format, read_lines
 
 TOKENS_COLUMN = "__tfserve_tokens"  # per-row target tokens, for the summary; never written
 ERROR_COLUMN = "error"
+# what the line reader (LinesDatasource) adds to each row; read by TranslateBatch, never written
+LINE_COLUMN = "__tfserve_line"  # the line's number in its file
+READ_ERROR_COLUMN = "__tfserve_read_error"  # why the line has no text (not UTF-8)
+RAW_COLUMN = "__tfserve_raw"  # such a line with replacement characters (--bad-lines truncate)
+READER_COLUMNS = (LINE_COLUMN, READ_ERROR_COLUMN, RAW_COLUMN)
 
 
 def _assigned_cpus() -> int:
@@ -75,8 +81,16 @@ class TranslateBatch:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         texts = [None if text is None else str(text) for text in batch[self.column]]
-        results, _ = translate_texts(self.engine, texts, self.options)
-        out = dict(batch)
+        if LINE_COLUMN in batch:  # tfserve's line reader: numbers, and why a line is bad
+            records = [Record(int(number), text, 0, error=error, raw=raw or "")
+                       for number, text, error, raw in zip(
+                           batch[LINE_COLUMN], texts, batch[READ_ERROR_COLUMN],
+                           batch[RAW_COLUMN])]
+        else:  # Ray's readers: a missing text is the record's fault, its number unknown
+            records = [Record(0, text, 0, error=None if text is not None else
+                              f"no text in column {self.column!r}") for text in texts]
+        results, _ = translate_records(self.engine, records, self.options)
+        out = {key: value for key, value in batch.items() if key not in READER_COLUMNS}
         out[self.output_column] = np.array([t for t, _, _ in results], dtype=object)
         errors = [e for _, e, _ in results]
         if any(error is not None for error in errors):
@@ -97,16 +111,71 @@ READ_ARGS: dict[str, Any] = {"num_cpus": 0}
 
 
 
-def read_dataset(path: str, fmt: str, blocks: int | None = None) -> Any:
-    """The corpus as a Ray Dataset (Ray Data's readers; lines land in a "text" column).
-    blocks: how many blocks to cut it into (default: Ray's choice); each block is one task
+def _lines_datasource() -> type:
+    """LinesDatasource, made when Ray is imported (its base class is Ray's)."""
+    import pyarrow as pa
+    from ray.data.datasource import FileBasedDatasource
+
+    class LinesDatasource(FileBasedDatasource):
+        """Plain lines as the one-machine job reads them (records.read_lines): split at
+        "\n" only (Ray's read_text also splits at form feeds, U+2028 and other line
+        boundaries that str.splitlines knows, so its line count would differ), a line that
+        is not UTF-8 kept as a bad line for --bad-lines (read_text fails the whole job), and
+        the file streamed in blocks of `block_lines` lines, so a big file is never whole in
+        one worker's memory and its blocks spread over the actors."""
+
+        # one schema for every block, whether or not it holds a bad line
+        block_schema = pa.schema([("text", pa.string()), (LINE_COLUMN, pa.int64()),
+                            (READ_ERROR_COLUMN, pa.string()), (RAW_COLUMN, pa.string())])
+
+        def __init__(self, paths: str | list[str], block_lines: int, **kwargs: Any) -> None:
+            super().__init__(paths, **kwargs)
+            self.block_lines = block_lines
+
+        def _read_stream(self, f: Any, path: str) -> Iterator[Any]:
+            columns: dict[str, list[Any]] = {"text": [], LINE_COLUMN: [],
+                                             READ_ERROR_COLUMN: [], RAW_COLUMN: []}
+            for record in read_lines(_byte_lines(f)):
+                columns["text"].append(record.text)
+                columns[LINE_COLUMN].append(record.number)
+                columns[READ_ERROR_COLUMN].append(record.error)
+                columns[RAW_COLUMN].append(record.raw or None)
+                if len(columns["text"]) >= self.block_lines:
+                    yield pa.table(columns, schema=self.block_schema)
+                    columns = {name: [] for name in columns}
+            if columns["text"]:
+                yield pa.table(columns, schema=self.block_schema)
+
+    return LinesDatasource
+
+
+def _byte_lines(stream: Any, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """A binary stream's lines, each with its "\n" (the last one may have none)."""
+    rest = b""
+    while True:
+        data = stream.read(chunk)
+        if not data:
+            break
+        lines = (rest + data).split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            yield line + b"\n"
+    if rest:
+        yield rest
+
+
+def read_dataset(path: str, fmt: str, blocks: int | None = None,
+                 block_lines: int = 4096) -> Any:
+    """The corpus as a Ray Dataset (lines land in a "text" column). Plain lines are read by
+    tfserve's own line reader in blocks of `block_lines` lines; the other formats by Ray
+    Data's readers, cut into `blocks` blocks (default: Ray's choice). Each block is one task
     for one actor, so a small file needs a few to keep several actors busy."""
     import ray.data
 
-    args = {**READ_ARGS, "override_num_blocks": blocks}
     if fmt == "lines":
         # blank lines stay: the output keeps one line per input line
-        return ray.data.read_text(path, drop_empty_lines=False, **args)
+        return ray.data.read_datasource(_lines_datasource()(path, block_lines), **READ_ARGS)
+    args = {**READ_ARGS, "override_num_blocks": blocks}
     if fmt == "jsonl":
         return ray.data.read_json(path, lines=True, **args)
     if fmt == "csv":
@@ -141,9 +210,12 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True  # output rows in input order
     context.enable_progress_bars = args.progress != "none"
+    # an actor's own exception (a BadLineError), not Ray Data's UserCodeException, whose cause
+    # does not survive the trip to this process
+    context.raise_original_map_exception = True
     fmt = input_format(args.input, args.input_format)
     field = "text" if fmt == "lines" else args.text_field
-    dataset = read_dataset(args.input, fmt)
+    dataset = read_dataset(args.input, fmt, block_lines=args.read_buffer)
     to_directory = _is_uri(args.output) or args.output.endswith("/")
     translated = dataset.map_batches(
         TranslateBatch, batch_size=args.read_buffer, batch_format="numpy",
@@ -160,6 +232,34 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
         concurrency=args.ray_actors, num_cpus=args.ray_cpus, num_gpus=args.ray_gpus)
     counts = Counts()
     out_format = output_format(args.output, args.output_format)
+    bad = None
+    try:
+        _write(translated, args, out_format, field, to_directory, counts)
+    except Exception as exc:
+        bad = _bad_line(exc)
+        if bad is None:
+            raise
+    if bad is not None:
+        # the line and its reason, not the actor's traceback; raised here, outside the
+        # handler, so that nothing keeps Ray's failed iterator (and its threads) alive
+        raise bad
+    seconds = time.monotonic() - started
+    if to_directory:  # skipped lines carry an "error" field in the written rows
+        line = f"translate --ray: done: {counts.lines} lines, {seconds:.1f} s, in {args.output}"
+    else:
+        line = (f"translate --ray: done: {counts.lines} lines, {counts.tokens} tokens, "
+                f"{seconds:.1f} s, {counts.failures} failures, {counts.skipped} skipped, "
+                f"{counts.truncated} truncated")
+    if args.progress != "none":
+        print(line, file=stderr, flush=True)
+    return Summary(counts, line)
+
+
+def _write(translated: Any, args: argparse.Namespace, out_format: str, field: str,
+           to_directory: bool, counts: Counts) -> None:
+    """Run the pipeline into --output."""
+    import ray.data
+
     if to_directory:
         # the pipeline runs once, inside the write; the summary's lines are read back from
         # what was written (Parquet: its metadata), its tokens are not counted
@@ -176,16 +276,17 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
         Journal(args.output).path.unlink(missing_ok=True)
         write_ordered(translated, args.output, out_format, field, args.output_field,
                       args.skip_marker, counts)
-    seconds = time.monotonic() - started
-    if to_directory:  # skipped lines carry an "error" field in the written rows
-        line = f"translate --ray: done: {counts.lines} lines, {seconds:.1f} s, in {args.output}"
-    else:
-        line = (f"translate --ray: done: {counts.lines} lines, {counts.tokens} tokens, "
-                f"{seconds:.1f} s, {counts.failures} failures, {counts.skipped} skipped, "
-                f"{counts.truncated} truncated")
-    if args.progress != "none":
-        print(line, file=stderr, flush=True)
-    return Summary(counts, line)
+
+
+def _bad_line(error: BaseException | None) -> BadLineError | None:
+    """The BadLineError that failed an actor's task, from the error Ray raises here."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, BadLineError):
+            return error
+        seen.add(id(error))
+        error = getattr(error, "cause", None) or error.__cause__ or error.__context__
+    return None
 
 
 def write_ordered(dataset: Any, output: str, fmt: str, field: str, output_field: str,
