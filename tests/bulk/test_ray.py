@@ -203,3 +203,55 @@ def test_ray_fails_at_a_bad_line_naming_it(cluster: Any, tmp_path: Path, demo_mo
                                  "--progress", "log"])
     assert code != 0
     assert "line 7: not valid UTF-8" in err
+    assert "ray::" not in err and "Traceback" not in err  # the line, not the actor's trace
+
+
+def test_kill_9_of_the_driver_then_resume(cluster: Any, tmp_path: Path, demo_model: Path,
+                                          demo_translator: Any,
+                                          capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`translate --ray` into a local file keeps the one-machine job's journal: its driver
+    killed (SIGKILL) once the journal shows committed blocks, the same command finishes the
+    file, and the one-machine command then finds it complete (the same fingerprint)."""
+    import json
+    import signal
+    import subprocess
+
+    from server_helpers import ROOT
+
+    lines = number_phrases(200, seed=15)
+    source, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    source.write_text("\n".join(lines) + "\n")
+    journal = tmp_path / "out.txt.tfserve-job.json"
+    common = ["--model", str(demo_model), "--input", str(source), "--output", str(out),
+              "--threads", "1", "--read-buffer", "3", "--progress", "log"]
+    on_ray = ["--ray", cluster.address, "--ray-cpus", "0.5"]
+
+    def committed() -> int:
+        try:  # replaced atomically: whole JSON, or absent
+            return int(json.loads(journal.read_text())["lines"])
+        except FileNotFoundError:
+            return 0
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tfserve", "translate", *on_ray, *common], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while committed() < 4 * 3:  # four blocks on disk: the job is under way
+            assert process.poll() is None, "the job ended before it could be killed"
+            time.sleep(0.005)  # polling the journal's state, not waiting for a time
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.wait()
+    state = json.loads(journal.read_text())
+    assert not state["finished"] and state["lines"] < len(lines), "killed too late to test"
+    monkeypatch.setattr(sys, "argv", ["tfserve"])
+    code, err = run_cli(capsys, [*on_ray, *common])
+    assert code == 0, err
+    assert out.read_text().splitlines() == expected(demo_translator, lines)
+    assert f"done: {len(lines)} lines" in err
+    code, err = run_cli(capsys, common)  # the one-machine job: nothing left to do
+    assert code == 0, err
+    assert "already complete" in err
+    assert out.read_text().splitlines() == expected(demo_translator, lines)

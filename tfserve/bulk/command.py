@@ -9,7 +9,6 @@ This module is imported only then (lazily), so nothing in the serving path impor
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import IO, Any
 
 from tfserve.bulk.engines import LocalEngine, ServerEngine, manifest_digest
 from tfserve.bulk.job import BAD_LINE_POLICIES, JobOptions, Summary, run_job
-from tfserve.bulk.journal import Journal, input_fingerprint
+from tfserve.bulk.journal import Journal, job_fingerprint
 from tfserve.bulk.progress import Progress
 from tfserve.bulk.records import (
     INPUT_FORMATS,
@@ -193,17 +192,8 @@ def run(args: argparse.Namespace, decoding: dict[str, Any], prog: str = "tfserve
             if not from_file:
                 print(f"{prog} translate: reading standard input: the job cannot resume "
                       "(its input cannot be read again)", file=stderr)
-            # everything that changes what a line's output is; batch sizes and threads do not
-            fingerprint = {
-                "input": input_fingerprint(args.input) if from_file else "stdin",
-                **engine.fingerprint(),
-                "options": json.dumps({
-                    "decoding": decoding, "input_format": in_format,
-                    "output_format": out_format, "text_field": args.text_field,
-                    "output_field": args.output_field, "bad_lines": args.bad_lines,
-                    "skip_marker": args.skip_marker,
-                    "split_sentences": args.split_sentences,
-                    "format": getattr(args, "format", None)}, sort_keys=True, default=str)}
+            fingerprint = job_fingerprint(args, decoding, in_format, out_format,
+                                          engine.fingerprint())
             journal = Journal(args.output)
             if not from_file:
                 Path(journal.path).unlink(missing_ok=True)

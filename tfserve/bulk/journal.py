@@ -55,6 +55,22 @@ def input_fingerprint(path: str) -> dict[str, Any]:
             "mtime_ns": stat.st_mtime_ns, "sample_sha256": digest.hexdigest()}
 
 
+def job_fingerprint(args: Any, decoding: dict[str, Any], input_format: str,
+                    output_format: str, model: dict[str, Any]) -> dict[str, Any]:
+    """Everything that changes what a line's output is, for the journal: the input, the model
+    (`model`: the engine's fingerprint) and the options of `tfserve translate`'s flags (`args`);
+    batch sizes, buffers, threads and where the job runs (one machine, servers, Ray) do not."""
+    return {
+        "input": input_fingerprint(args.input) if args.input not in (None, "-") else "stdin",
+        **model,
+        "options": json.dumps({
+            "decoding": decoding, "input_format": input_format,
+            "output_format": output_format, "text_field": args.text_field,
+            "output_field": args.output_field, "bad_lines": args.bad_lines,
+            "skip_marker": args.skip_marker, "split_sentences": args.split_sentences,
+            "format": getattr(args, "format", None)}, sort_keys=True, default=str)}
+
+
 def _fsync_directory(path: Path) -> None:
     try:
         descriptor = os.open(path, os.O_RDONLY)

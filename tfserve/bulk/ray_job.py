@@ -16,8 +16,9 @@ one-machine job does):
 `run_ray_job` is `tfserve translate --ray ADDRESS --input ... --output ...`: Ray Data's readers
 (local paths and whatever filesystems Ray's pyarrow reads: s3://, gs://, ...), the class above
 on an actor pool, and the output either streamed to one local file in input order (through
-this process, so it equals the one-machine job's output) or written by Ray's writers into a
-directory or object-store prefix. Lost actors and nodes are Ray's to recover: the actors are
+this process, so it equals the one-machine job's output, and from plain lines resumable
+with the one-machine job's journal) or written by Ray's writers into a directory or
+object-store prefix. Lost actors and nodes are Ray's to recover: the actors are
 restarted (max_restarts) and their tasks retried (max_task_retries), and lost blocks are
 rebuilt from their lineage, so every line comes out once.
 """
@@ -26,14 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Iterator
 from typing import IO, Any
 
 import numpy as np
 
-from tfserve.bulk.engines import LocalEngine
+from tfserve.bulk.engines import LocalEngine, manifest_digest
 from tfserve.bulk.job import BadLineError, JobOptions, Summary, translate_records
+from tfserve.bulk.journal import JobState, Journal, job_fingerprint
 from tfserve.bulk.progress import Counts
 from tfserve.bulk.records import Record, input_format, output_format, read_lines
 
@@ -43,7 +46,10 @@ ERROR_COLUMN = "error"
 LINE_COLUMN = "__tfserve_line"  # the line's number in its file
 READ_ERROR_COLUMN = "__tfserve_read_error"  # why the line has no text (not UTF-8)
 RAW_COLUMN = "__tfserve_raw"  # such a line with replacement characters (--bad-lines truncate)
-READER_COLUMNS = (LINE_COLUMN, READ_ERROR_COLUMN, RAW_COLUMN)
+READER_COLUMNS = (LINE_COLUMN, READ_ERROR_COLUMN, RAW_COLUMN)  # dropped by TranslateBatch
+# the byte offset after the line in its file: kept through TranslateBatch for the journal's
+# input position, never written
+END_COLUMN = "__tfserve_end"
 
 
 def _assigned_cpus() -> int:
@@ -126,20 +132,26 @@ def _lines_datasource() -> type:
 
         # one schema for every block, whether or not it holds a bad line
         block_schema = pa.schema([("text", pa.string()), (LINE_COLUMN, pa.int64()),
-                            (READ_ERROR_COLUMN, pa.string()), (RAW_COLUMN, pa.string())])
+                                  (READ_ERROR_COLUMN, pa.string()), (RAW_COLUMN, pa.string()),
+                                  (END_COLUMN, pa.int64())])
 
-        def __init__(self, paths: str | list[str], block_lines: int, **kwargs: Any) -> None:
+        def __init__(self, paths: str | list[str], block_lines: int, skip_lines: int = 0,
+                     **kwargs: Any) -> None:
             super().__init__(paths, **kwargs)
-            self.block_lines = block_lines
+            self.block_lines, self.skip_lines = block_lines, skip_lines
 
         def _read_stream(self, f: Any, path: str) -> Iterator[Any]:
             columns: dict[str, list[Any]] = {"text": [], LINE_COLUMN: [],
-                                             READ_ERROR_COLUMN: [], RAW_COLUMN: []}
+                                             READ_ERROR_COLUMN: [], RAW_COLUMN: [],
+                                             END_COLUMN: []}
             for record in read_lines(_byte_lines(f)):
+                if record.number <= self.skip_lines:  # written by the job being resumed
+                    continue
                 columns["text"].append(record.text)
                 columns[LINE_COLUMN].append(record.number)
                 columns[READ_ERROR_COLUMN].append(record.error)
                 columns[RAW_COLUMN].append(record.raw or None)
+                columns[END_COLUMN].append(record.end)
                 if len(columns["text"]) >= self.block_lines:
                     yield pa.table(columns, schema=self.block_schema)
                     columns = {name: [] for name in columns}
@@ -165,16 +177,18 @@ def _byte_lines(stream: Any, chunk: int = 1 << 20) -> Iterator[bytes]:
 
 
 def read_dataset(path: str, fmt: str, blocks: int | None = None,
-                 block_lines: int = 4096) -> Any:
+                 block_lines: int = 4096, skip_lines: int = 0) -> Any:
     """The corpus as a Ray Dataset (lines land in a "text" column). Plain lines are read by
-    tfserve's own line reader in blocks of `block_lines` lines; the other formats by Ray
-    Data's readers, cut into `blocks` blocks (default: Ray's choice). Each block is one task
-    for one actor, so a small file needs a few to keep several actors busy."""
+    tfserve's own line reader in blocks of `block_lines` lines, from line skip_lines + 1;
+    the other formats by Ray Data's readers, cut into `blocks` blocks (default: Ray's
+    choice). Each block is one task for one actor, so a small file needs a few to keep
+    several actors busy."""
     import ray.data
 
     if fmt == "lines":
         # blank lines stay: the output keeps one line per input line
-        return ray.data.read_datasource(_lines_datasource()(path, block_lines), **READ_ARGS)
+        return ray.data.read_datasource(
+            _lines_datasource()(path, block_lines, skip_lines), **READ_ARGS)
     args = {**READ_ARGS, "override_num_blocks": blocks}
     if fmt == "jsonl":
         return ray.data.read_json(path, lines=True, **args)
@@ -215,8 +229,30 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
     context.raise_original_map_exception = True
     fmt = input_format(args.input, args.input_format)
     field = "text" if fmt == "lines" else args.text_field
-    dataset = read_dataset(args.input, fmt, block_lines=args.read_buffer)
     to_directory = _is_uri(args.output) or args.output.endswith("/")
+    out_format = output_format(args.output, args.output_format)
+    counts = Counts()
+    journal = state = None
+    if not to_directory and fmt == "lines" and not _is_uri(args.input) \
+            and not _is_uri(str(model)):
+        # resumable: the one-machine job's journal and fingerprint (either may continue the
+        # other's file), the input position a byte offset, committed after each block
+        journal = Journal(args.output)
+        state = journal.start(job_fingerprint(args, decoding, fmt, out_format,
+                                              {"model": manifest_digest(model)}))
+        if state.finished:
+            line = (f"translate --ray: {args.output} is already complete ({state.lines} "
+                    f"lines; its journal is {journal.path}): nothing to do")
+            if args.progress != "none":
+                print(line, file=stderr, flush=True)
+            return Summary(counts, line, already_finished=True)
+        counts = Counts(**{key: int(value) for key, value in state.counts.items()})
+        counts.lines = state.lines
+    elif not to_directory:
+        # rewritten whole: a journal beside it from an earlier job no longer holds
+        Journal(args.output).path.unlink(missing_ok=True)
+    dataset = read_dataset(args.input, fmt, block_lines=args.read_buffer,
+                           skip_lines=state.lines if state else 0)
     translated = dataset.map_batches(
         TranslateBatch, batch_size=args.read_buffer, batch_format="numpy",
         fn_constructor_kwargs={
@@ -230,11 +266,11 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
         # Ray Data restarts a lost actor and retries its tasks (its actor pools' default
         # max_restarts and max_task_retries are -1): a killed node costs time, not lines
         concurrency=args.ray_actors, num_cpus=args.ray_cpus, num_gpus=args.ray_gpus)
-    counts = Counts()
-    out_format = output_format(args.output, args.output_format)
+    if to_directory and fmt == "lines":
+        translated = translated.drop_columns([END_COLUMN])  # the reader's, never written
     bad = None
     try:
-        _write(translated, args, out_format, field, to_directory, counts)
+        _write(translated, args, out_format, field, to_directory, counts, journal, state)
     except Exception as exc:
         bad = _bad_line(exc)
         if bad is None:
@@ -256,7 +292,8 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
 
 
 def _write(translated: Any, args: argparse.Namespace, out_format: str, field: str,
-           to_directory: bool, counts: Counts) -> None:
+           to_directory: bool, counts: Counts, journal: Journal | None,
+           state: JobState | None) -> None:
     """Run the pipeline into --output."""
     import ray.data
 
@@ -269,20 +306,21 @@ def _write(translated: Any, args: argparse.Namespace, out_format: str, field: st
         else:
             translated.write_parquet(args.output)
             counts.lines = ray.data.read_parquet(args.output).count()
-    else:
-        from tfserve.bulk.journal import Journal
-
-        # the file is rewritten whole: a one-machine job's journal beside it no longer holds
-        Journal(args.output).path.unlink(missing_ok=True)
-        write_ordered(translated, args.output, out_format, field, args.output_field,
-                      args.skip_marker, counts)
+        return
+    write_ordered(translated, args.output, out_format, field, args.output_field,
+                  args.skip_marker, counts, journal=journal, state=state)
+    if journal is not None and state is not None:
+        state.finished = True
+        journal.commit(state)
 
 
 def _bad_line(error: BaseException | None) -> BadLineError | None:
     """The BadLineError that failed an actor's task, from the error Ray raises here."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, BadLineError):
+        # exactly a BadLineError: Ray's RayTaskError(BadLineError) is one too, but its message
+        # is the actor's traceback; the plain one is its `cause`
+        if type(error) is BadLineError:
             return error
         seen.add(id(error))
         error = getattr(error, "cause", None) or error.__cause__ or error.__context__
@@ -290,10 +328,14 @@ def _bad_line(error: BaseException | None) -> BadLineError | None:
 
 
 def write_ordered(dataset: Any, output: str, fmt: str, field: str, output_field: str,
-                  skip_marker: str, counts: Counts, on_batch: Any = None) -> None:
+                  skip_marker: str, counts: Counts, on_batch: Any = None,
+                  journal: Journal | None = None, state: JobState | None = None) -> None:
     """Stream the translated rows to one local file, in input order (preserve_order), one
-    line per input line: what the one-machine job writes."""
-    with open(output, "wb") as stream:
+    line per input line: what the one-machine job writes. With a journal, the output
+    continues at state.output_bytes and each block is committed once it is on disk."""
+    with open(output, "r+b" if state is not None else "wb") as stream:
+        if state is not None:
+            stream.seek(state.output_bytes)
         # batch_size None: each block as it arrives, so the file grows while the job runs
         for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
             translations = batch[output_field]
@@ -309,13 +351,21 @@ def write_ordered(dataset: Any, output: str, fmt: str, field: str, output_field:
                     lines.append(text.replace("\n", " ") + "\n")
                 else:
                     record = {key: _plain(value[index]) for key, value in batch.items()
-                              if key not in (TOKENS_COLUMN, ERROR_COLUMN)}
+                              if key not in (TOKENS_COLUMN, ERROR_COLUMN, END_COLUMN)}
                     if error is not None:
                         record[ERROR_COLUMN] = error
                     lines.append(json.dumps(record, ensure_ascii=False, default=str) + "\n")
-            stream.write("".join(lines).encode("utf-8"))
+            data = "".join(lines).encode("utf-8")
+            stream.write(data)
             counts.lines += len(translations)
             counts.tokens += int(tokens.sum()) if tokens is not None else 0
+            if journal is not None and state is not None and len(translations):
+                stream.flush()
+                os.fsync(stream.fileno())  # the block is on disk before the journal says so
+                state.input_position = int(batch[END_COLUMN][-1])
+                state.output_bytes += len(data)
+                state.lines, state.counts = counts.lines, counts.as_dict()
+                journal.commit(state)
             if on_batch is not None:
                 on_batch(counts)
 
