@@ -82,7 +82,8 @@ def cluster() -> Iterator[Any]:
 def test_a_killed_worker_node_loses_no_line(cluster: Any, tmp_path: Path, demo_model: Path,
                                             demo_translator: Any) -> None:
     from tfserve.bulk.progress import Counts
-    from tfserve.bulk.ray_job import read_dataset, write_ordered
+    from tfserve.bulk.ray_job import write_ordered
+    from tfserve.bulk.ray_reader import read_dataset
 
     lines = number_phrases(24, seed=11)
     source, out = tmp_path / "in.txt", tmp_path / "out.txt"
@@ -111,7 +112,7 @@ def test_a_killed_worker_node_loses_no_line(cluster: Any, tmp_path: Path, demo_m
     killer = threading.Thread(target=kill_a_node, daemon=True)
     killer.start()
     counts = Counts()
-    write_ordered(dataset, str(out), "lines", "text", "translation", "", counts)
+    write_ordered(dataset, str(out), "lines", "translation", "", counts)
     killer.join()
     assert killed and killed[0] < len(lines) // 4  # batches done when the node died
     assert out.read_text().splitlines() == expected(demo_translator, lines)
@@ -172,14 +173,32 @@ def _awkward_lines(tmp_path: Path) -> Path:
     return source
 
 
-def test_ray_reads_lines_as_the_one_machine_job(cluster: Any, tmp_path: Path,
-                                                demo_model: Path,
-                                                capsys: pytest.CaptureFixture[str],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    source = _awkward_lines(tmp_path)
+def _awkward_json_lines(tmp_path: Path) -> Path:
+    """JSON Lines with a U+2028 and a form feed inside strings (raw, not escaped), a line that
+    does not parse, one that is not UTF-8, one without the text field, and a blank line."""
+    import json
+
+    lines = number_phrases(8, seed=16, blanks=False)
+    records = [json.dumps({"id": i, "text": text, "note": "a\u2028b\x0cc"}, ensure_ascii=False)
+               for i, text in enumerate(lines)]
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(("\n".join(records[:3]) + "\n{not json\n").encode() + b"\xff\xfe\n"
+                       + ("\n".join(records[3:6]) + '\n{"id": 99}\n\n'
+                          + "\n".join(records[6:]) + "\n").encode())
+    return source
+
+
+@pytest.mark.parametrize(("kind", "output"), [("lines", "out.txt"), ("lines", "out.jsonl"),
+                                              ("jsonl", "out.jsonl")])
+def test_ray_reads_and_writes_as_the_one_machine_job(
+        cluster: Any, tmp_path: Path, demo_model: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, kind: str, output: str) -> None:
+    source = _awkward_lines(tmp_path) if kind == "lines" else _awkward_json_lines(tmp_path)
     common = ["--model", str(demo_model), "--input", str(source), "--threads", "1",
               "--bad-lines", "skip", "--skip-marker", "SKIPPED", "--progress", "log"]
-    one, on_ray = tmp_path / "one.txt", tmp_path / "ray.txt"
+    (tmp_path / "one").mkdir()
+    (tmp_path / "ray").mkdir()
+    one, on_ray = tmp_path / "one" / output, tmp_path / "ray" / output
     code, err = run_cli(capsys, [*common, "--output", str(one)])
     assert code == 0, err
     monkeypatch.setattr(sys, "argv", ["tfserve"])
@@ -187,9 +206,12 @@ def test_ray_reads_lines_as_the_one_machine_job(cluster: Any, tmp_path: Path,
                                  "--ray-cpus", "0.5", "--read-buffer", "3"])
     assert code == 0, err
     assert on_ray.read_bytes() == one.read_bytes()
-    assert len(one.read_bytes().split(b"\n")) - 1 == source.read_bytes().count(b"\n") == 9
-    assert one.read_text().splitlines()[6] == "SKIPPED"
-    assert "9 lines" in err and "1 skipped" in err
+    lines = source.read_bytes().count(b"\n")
+    assert len(one.read_bytes().split(b"\n")) - 1 == lines
+    skipped = 1 if kind == "lines" else 3  # not UTF-8; and not JSON, no text field
+    assert f"{lines} lines" in err and f"{skipped} skipped" in err
+    if output == "out.txt":
+        assert one.read_text().splitlines()[6] == "SKIPPED"
 
 
 def test_ray_fails_at_a_bad_line_naming_it(cluster: Any, tmp_path: Path, demo_model: Path,

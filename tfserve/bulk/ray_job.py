@@ -13,12 +13,13 @@ one-machine job does):
                         batch_size=1024, concurrency=8, num_cpus=4)   # num_gpus=1: a GPU each
     ds.write_parquet("s3://bucket/translated/")
 
-`run_ray_job` is `tfserve translate --ray ADDRESS --input ... --output ...`: Ray Data's readers
-(local paths and whatever filesystems Ray's pyarrow reads: s3://, gs://, ...), the class above
-on an actor pool, and the output either streamed to one local file in input order (through
-this process, so it equals the one-machine job's output, and from plain lines resumable
-with the one-machine job's journal) or written by Ray's writers into a directory or
-object-store prefix. Lost actors and nodes are Ray's to recover: the actors are
+`run_ray_job` is `tfserve translate --ray ADDRESS --input ... --output ...`: the corpus read
+as a Dataset (ray_reader.py: tfserve's own readers as a Ray datasource, or Ray Data's; local
+paths and whatever filesystems Ray's pyarrow reads: s3://, gs://, ...), the class above on an
+actor pool, and the output either streamed to one local file in input order (through this
+process, written by the one-machine job's Writer, and from plain or JSON lines resumable with
+the one-machine job's journal) or written by Ray's writers into a directory or object-store
+prefix. Lost actors and nodes are Ray's to recover: the actors are
 restarted (max_restarts) and their tasks retried (max_task_retries), and lost blocks are
 rebuilt from their lineage, so every line comes out once.
 """
@@ -26,10 +27,8 @@ rebuilt from their lineage, so every line comes out once.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
-from collections.abc import Iterator
 from typing import IO, Any
 
 import numpy as np
@@ -38,19 +37,21 @@ from tfserve.bulk.engines import LocalEngine, manifest_digest
 from tfserve.bulk.job import BadLineError, JobOptions, Summary, translate_records
 from tfserve.bulk.journal import JobState, Journal, job_fingerprint
 from tfserve.bulk.progress import Counts
-from tfserve.bulk.records import Record, input_format, output_format, read_lines
+from tfserve.bulk.ray_reader import (
+    END_COLUMN,
+    LINE_COLUMN,
+    RAW_COLUMN,
+    READ_ERROR_COLUMN,
+    READER_COLUMNS,
+    optional_text,
+    read_dataset,
+    reads_records,
+    row_record,
+)
+from tfserve.bulk.records import Record, Writer, input_format, output_format
 
 TOKENS_COLUMN = "__tfserve_tokens"  # per-row target tokens, for the summary; never written
 ERROR_COLUMN = "error"
-# what the line reader (LinesDatasource) adds to each row; read by TranslateBatch, never written
-LINE_COLUMN = "__tfserve_line"  # the line's number in its file
-READ_ERROR_COLUMN = "__tfserve_read_error"  # why the line has no text (not UTF-8)
-RAW_COLUMN = "__tfserve_raw"  # such a line with replacement characters (--bad-lines truncate)
-READER_COLUMNS = (LINE_COLUMN, READ_ERROR_COLUMN, RAW_COLUMN)  # dropped by TranslateBatch
-# the byte offset after the line in its file: kept through TranslateBatch for the journal's
-# input position, never written
-END_COLUMN = "__tfserve_end"
-
 
 def _assigned_cpus() -> int:
     """The CPUs Ray reserved for this actor (its ONNX Runtime threads), 0 outside Ray."""
@@ -86,17 +87,16 @@ class TranslateBatch:
         self.column, self.output_column, self.count_tokens = column, output_column, count_tokens
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        texts = [None if text is None else str(text) for text in batch[self.column]]
-        if LINE_COLUMN in batch:  # tfserve's line reader: numbers, and why a line is bad
-            records = [Record(int(number), text, 0, error=error, raw=raw or "")
-                       for number, text, error, raw in zip(
-                           batch[LINE_COLUMN], texts, batch[READ_ERROR_COLUMN],
-                           batch[RAW_COLUMN])]
+        texts = [optional_text(text) for text in batch[self.column]]
+        if LINE_COLUMN in batch:  # RecordsDatasource: numbers, and why a line is bad
+            records = [row_record({key: batch[key][index] for key in (
+                "text", LINE_COLUMN, END_COLUMN, READ_ERROR_COLUMN, RAW_COLUMN)})
+                for index in range(len(texts))]
         else:  # Ray's readers: a missing text is the record's fault, its number unknown
             records = [Record(0, text, 0, error=None if text is not None else
                               f"no text in column {self.column!r}") for text in texts]
         results, _ = translate_records(self.engine, records, self.options)
-        out = {key: value for key, value in batch.items() if key not in READER_COLUMNS}
+        out = dict(batch)  # the reader's columns too: the ordered writer reads them
         out[self.output_column] = np.array([t for t, _, _ in results], dtype=object)
         errors = [e for _, e, _ in results]
         if any(error is not None for error in errors):
@@ -108,93 +108,6 @@ class TranslateBatch:
 
 def _is_uri(path: str) -> bool:
     return "://" in path
-
-
-# Read tasks reserve no CPU: reading is light next to translating, and actors that reserve
-# every CPU of the cluster (the usual sizing) would otherwise leave none to read with, and the
-# job would wait forever. Ray Data's backpressure still bounds how far reads run ahead.
-READ_ARGS: dict[str, Any] = {"num_cpus": 0}
-
-
-
-def _lines_datasource() -> type:
-    """LinesDatasource, made when Ray is imported (its base class is Ray's)."""
-    import pyarrow as pa
-    from ray.data.datasource import FileBasedDatasource
-
-    class LinesDatasource(FileBasedDatasource):
-        """Plain lines as the one-machine job reads them (records.read_lines): split at
-        "\n" only (Ray's read_text also splits at form feeds, U+2028 and other line
-        boundaries that str.splitlines knows, so its line count would differ), a line that
-        is not UTF-8 kept as a bad line for --bad-lines (read_text fails the whole job), and
-        the file streamed in blocks of `block_lines` lines, so a big file is never whole in
-        one worker's memory and its blocks spread over the actors."""
-
-        # one schema for every block, whether or not it holds a bad line
-        block_schema = pa.schema([("text", pa.string()), (LINE_COLUMN, pa.int64()),
-                                  (READ_ERROR_COLUMN, pa.string()), (RAW_COLUMN, pa.string()),
-                                  (END_COLUMN, pa.int64())])
-
-        def __init__(self, paths: str | list[str], block_lines: int, skip_lines: int = 0,
-                     **kwargs: Any) -> None:
-            super().__init__(paths, **kwargs)
-            self.block_lines, self.skip_lines = block_lines, skip_lines
-
-        def _read_stream(self, f: Any, path: str) -> Iterator[Any]:
-            columns: dict[str, list[Any]] = {"text": [], LINE_COLUMN: [],
-                                             READ_ERROR_COLUMN: [], RAW_COLUMN: [],
-                                             END_COLUMN: []}
-            for record in read_lines(_byte_lines(f)):
-                if record.number <= self.skip_lines:  # written by the job being resumed
-                    continue
-                columns["text"].append(record.text)
-                columns[LINE_COLUMN].append(record.number)
-                columns[READ_ERROR_COLUMN].append(record.error)
-                columns[RAW_COLUMN].append(record.raw or None)
-                columns[END_COLUMN].append(record.end)
-                if len(columns["text"]) >= self.block_lines:
-                    yield pa.table(columns, schema=self.block_schema)
-                    columns = {name: [] for name in columns}
-            if columns["text"]:
-                yield pa.table(columns, schema=self.block_schema)
-
-    return LinesDatasource
-
-
-def _byte_lines(stream: Any, chunk: int = 1 << 20) -> Iterator[bytes]:
-    """A binary stream's lines, each with its "\n" (the last one may have none)."""
-    rest = b""
-    while True:
-        data = stream.read(chunk)
-        if not data:
-            break
-        lines = (rest + data).split(b"\n")
-        rest = lines.pop()
-        for line in lines:
-            yield line + b"\n"
-    if rest:
-        yield rest
-
-
-def read_dataset(path: str, fmt: str, blocks: int | None = None,
-                 block_lines: int = 4096, skip_lines: int = 0) -> Any:
-    """The corpus as a Ray Dataset (lines land in a "text" column). Plain lines are read by
-    tfserve's own line reader in blocks of `block_lines` lines, from line skip_lines + 1;
-    the other formats by Ray Data's readers, cut into `blocks` blocks (default: Ray's
-    choice). Each block is one task for one actor, so a small file needs a few to keep
-    several actors busy."""
-    import ray.data
-
-    if fmt == "lines":
-        # blank lines stay: the output keeps one line per input line
-        return ray.data.read_datasource(
-            _lines_datasource()(path, block_lines, skip_lines), **READ_ARGS)
-    args = {**READ_ARGS, "override_num_blocks": blocks}
-    if fmt == "jsonl":
-        return ray.data.read_json(path, lines=True, **args)
-    if fmt == "csv":
-        return ray.data.read_csv(path, **args)
-    return ray.data.read_parquet(path, **args)
 
 
 def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
@@ -228,12 +141,12 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
     # does not survive the trip to this process
     context.raise_original_map_exception = True
     fmt = input_format(args.input, args.input_format)
-    field = "text" if fmt == "lines" else args.text_field
     to_directory = _is_uri(args.output) or args.output.endswith("/")
     out_format = output_format(args.output, args.output_format)
     counts = Counts()
     journal = state = None
-    if not to_directory and fmt == "lines" and not _is_uri(args.input) \
+    ordered = not to_directory  # one local file, in input order, through this process
+    if ordered and reads_records(fmt, ordered) and not _is_uri(args.input) \
             and not _is_uri(str(model)):
         # resumable: the one-machine job's journal and fingerprint (either may continue the
         # other's file), the input position a byte offset, committed after each block
@@ -248,11 +161,13 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
             return Summary(counts, line, already_finished=True)
         counts = Counts(**{key: int(value) for key, value in state.counts.items()})
         counts.lines = state.lines
-    elif not to_directory:
+    elif ordered:
         # rewritten whole: a journal beside it from an earlier job no longer holds
         Journal(args.output).path.unlink(missing_ok=True)
-    dataset = read_dataset(args.input, fmt, block_lines=args.read_buffer,
-                           skip_lines=state.lines if state else 0)
+    dataset = read_dataset(args.input, fmt, args.text_field, ordered,
+                           block_lines=args.read_buffer, skip_lines=state.lines if state else 0)
+    # RecordsDatasource puts the text in "text"; Ray's readers leave it in its field
+    field = "text" if reads_records(fmt, ordered) else args.text_field
     translated = dataset.map_batches(
         TranslateBatch, batch_size=args.read_buffer, batch_format="numpy",
         fn_constructor_kwargs={
@@ -266,19 +181,20 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
         # Ray Data restarts a lost actor and retries its tasks (its actor pools' default
         # max_restarts and max_task_retries are -1): a killed node costs time, not lines
         concurrency=args.ray_actors, num_cpus=args.ray_cpus, num_gpus=args.ray_gpus)
-    if to_directory and fmt == "lines":
-        translated = translated.drop_columns([END_COLUMN])  # the reader's, never written
+    if to_directory and reads_records(fmt, ordered):
+        translated = translated.drop_columns(list(READER_COLUMNS))  # never written
     bad = None
     try:
-        _write(translated, args, out_format, field, to_directory, counts, journal, state)
+        _write(translated, args, out_format, to_directory, counts, journal, state)
     except Exception as exc:
         bad = _bad_line(exc)
         if bad is None:
             raise
     if bad is not None:
-        # the line and its reason, not the actor's traceback; raised here, outside the
-        # handler, so that nothing keeps Ray's failed iterator (and its threads) alive
-        raise bad
+        # the line and its reason, not the actor's traceback: a new error, raised outside the
+        # handler, so that no chain of Ray's errors keeps its failed iterator (and the
+        # iterator's prefetching thread) alive
+        raise BadLineError(bad.number, bad.reason)
     seconds = time.monotonic() - started
     if to_directory:  # skipped lines carry an "error" field in the written rows
         line = f"translate --ray: done: {counts.lines} lines, {seconds:.1f} s, in {args.output}"
@@ -291,9 +207,8 @@ def run_ray_job(args: argparse.Namespace, decoding: dict[str, Any],
     return Summary(counts, line)
 
 
-def _write(translated: Any, args: argparse.Namespace, out_format: str, field: str,
-           to_directory: bool, counts: Counts, journal: Journal | None,
-           state: JobState | None) -> None:
+def _write(translated: Any, args: argparse.Namespace, out_format: str, to_directory: bool,
+           counts: Counts, journal: Journal | None, state: JobState | None) -> None:
     """Run the pipeline into --output."""
     import ray.data
 
@@ -307,8 +222,8 @@ def _write(translated: Any, args: argparse.Namespace, out_format: str, field: st
             translated.write_parquet(args.output)
             counts.lines = ray.data.read_parquet(args.output).count()
         return
-    write_ordered(translated, args.output, out_format, field, args.output_field,
-                  args.skip_marker, counts, journal=journal, state=state)
+    write_ordered(translated, args.output, out_format, args.output_field, args.skip_marker,
+                  counts, journal=journal, state=state)
     if journal is not None and state is not None:
         state.finished = True
         journal.commit(state)
@@ -327,12 +242,14 @@ def _bad_line(error: BaseException | None) -> BadLineError | None:
     return None
 
 
-def write_ordered(dataset: Any, output: str, fmt: str, field: str, output_field: str,
+def write_ordered(dataset: Any, output: str, fmt: str, output_field: str,
                   skip_marker: str, counts: Counts, on_batch: Any = None,
                   journal: Journal | None = None, state: JobState | None = None) -> None:
     """Stream the translated rows to one local file, in input order (preserve_order), one
-    line per input line: what the one-machine job writes. With a journal, the output
-    continues at state.output_bytes and each block is committed once it is on disk."""
+    line per input line: what the one-machine job writes (RecordsDatasource's rows are
+    written by its Writer). With a journal, the output continues at state.output_bytes and
+    each block is committed once it is on disk."""
+    writer = Writer(fmt, output_field, skip_marker=skip_marker)
     with open(output, "r+b" if state is not None else "wb") as stream:
         if state is not None:
             stream.seek(state.output_bytes)
@@ -346,16 +263,17 @@ def write_ordered(dataset: Any, output: str, fmt: str, field: str, output_field:
                 error = None if errors is None else errors[index]
                 if translation is None:
                     counts.skipped += 1
-                if fmt == "lines":
-                    text = skip_marker if translation is None else str(translation)
-                    lines.append(text.replace("\n", " ") + "\n")
-                else:
-                    record = {key: _plain(value[index]) for key, value in batch.items()
-                              if key not in (TOKENS_COLUMN, ERROR_COLUMN, END_COLUMN)}
-                    if error is not None:
-                        record[ERROR_COLUMN] = error
-                    lines.append(json.dumps(record, ensure_ascii=False, default=str) + "\n")
-            data = "".join(lines).encode("utf-8")
+                if LINE_COLUMN in batch:
+                    record = row_record({key: value[index] for key, value in batch.items()})
+                    lines.append(writer.line(record, translation, error))
+                elif fmt == "lines":
+                    lines.append(writer.line(Record(0, None, 0), translation, error))
+                else:  # Ray's readers: the row's columns are the record's fields
+                    fields = {key: _plain(value[index]) for key, value in batch.items()
+                              if key not in (TOKENS_COLUMN, ERROR_COLUMN, output_field)}
+                    lines.append(writer.line(Record(0, None, 0, fields=fields), translation,
+                                             error))
+            data = b"".join(lines)
             stream.write(data)
             counts.lines += len(translations)
             counts.tokens += int(tokens.sum()) if tokens is not None else 0
