@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from conftest import number_phrases
 from server_helpers import ROOT
@@ -34,6 +35,21 @@ def committed_lines(journal: Path) -> int:
         return 0
 
 
+def kill_9_once_committed(process: subprocess.Popen[Any], journal: Path,
+                          lines: int) -> dict[str, Any]:
+    """SIGKILL `process` once `journal` records at least `lines` committed lines (its state,
+    polled; the job must still be running then); the journal's state after the kill."""
+    try:
+        while committed_lines(journal) < lines:
+            assert process.poll() is None, "the job ended before it could be killed"
+            time.sleep(0.005)  # polling the journal's state, not waiting for a time
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.wait()
+    assert process.returncode == -signal.SIGKILL
+    return json.loads(journal.read_text())
+
+
 def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path: Path,
                                                         demo_model: Path) -> None:
     source = tmp_path / "in.txt"
@@ -43,15 +59,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path: Path,
     killed_out = tmp_path / "killed.txt"
     journal = tmp_path / "killed.txt.tfserve-job.json"
     process = subprocess.Popen(job(source, killed_out, demo_model), cwd=ROOT, env=env)
-    try:
-        while committed_lines(journal) < KILL_AFTER * CHUNK:
-            assert process.poll() is None, "the job ended before it could be killed"
-            time.sleep(0.005)  # polling the journal's state, not waiting for a time
-        process.send_signal(signal.SIGKILL)
-    finally:
-        process.wait()
-    state = json.loads(journal.read_text())
-    assert process.returncode == -signal.SIGKILL
+    state = kill_9_once_committed(process, journal, KILL_AFTER * CHUNK)
     assert not state["finished"] and state["lines"] < len(lines), "killed too late to test"
     resumed = subprocess.run(job(source, killed_out, demo_model), cwd=ROOT, env=env,
                              capture_output=True, text=True)

@@ -234,11 +234,10 @@ def test_kill_9_of_the_driver_then_resume(cluster: Any, tmp_path: Path, demo_mod
     """`translate --ray` into a local file keeps the one-machine job's journal: its driver
     killed (SIGKILL) once the journal shows committed blocks, the same command finishes the
     file, and the one-machine command then finds it complete (the same fingerprint)."""
-    import json
-    import signal
     import subprocess
 
     from server_helpers import ROOT
+    from test_kill import kill_9_once_committed
 
     lines = number_phrases(200, seed=15)
     source, out = tmp_path / "in.txt", tmp_path / "out.txt"
@@ -248,24 +247,11 @@ def test_kill_9_of_the_driver_then_resume(cluster: Any, tmp_path: Path, demo_mod
               "--threads", "1", "--read-buffer", "3", "--progress", "log"]
     on_ray = ["--ray", cluster.address, "--ray-cpus", "0.5"]
 
-    def committed() -> int:
-        try:  # replaced atomically: whole JSON, or absent
-            return int(json.loads(journal.read_text())["lines"])
-        except FileNotFoundError:
-            return 0
-
     process = subprocess.Popen(
         [sys.executable, "-m", "tfserve", "translate", *on_ray, *common], cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        while committed() < 4 * 3:  # four blocks on disk: the job is under way
-            assert process.poll() is None, "the job ended before it could be killed"
-            time.sleep(0.005)  # polling the journal's state, not waiting for a time
-        process.send_signal(signal.SIGKILL)
-    finally:
-        process.wait()
-    state = json.loads(journal.read_text())
+    state = kill_9_once_committed(process, journal, 4 * 3)  # four blocks: under way
     assert not state["finished"] and state["lines"] < len(lines), "killed too late to test"
     monkeypatch.setattr(sys, "argv", ["tfserve"])
     code, err = run_cli(capsys, [*on_ray, *common])

@@ -129,7 +129,7 @@ def read_dataset(path: str, fmt: str, text_field: str = "text", ordered: bool = 
     for one actor, so a small file needs a few to keep several actors busy."""
     import ray.data
 
-    if fmt == "lines" or (fmt == "jsonl" and ordered):
+    if reads_records(fmt, ordered):
         return ray.data.read_datasource(
             _records_datasource()(path, fmt, text_field, block_lines, skip_lines),
             **READ_ARGS)
